@@ -1,0 +1,43 @@
+# Two commands on a fresh machine with only python3 and pip:
+#   make train   one default run (creates .venv and installs what it needs)
+#   make test    the serial suite, then the MPI suite at 1, 2, 3, 4 and 6 ranks
+#
+# EXTRAS picks the optional dependencies. The default brings an MPI library
+# from the package index (the mpich wheel); on a cluster with its own
+# CUDA-aware MPI use `make EXTRAS=test ...` so mpi4py binds to the site MPI.
+PYTHON ?= python3
+VENV   ?= .venv
+EXTRAS ?= mpich,test
+PY     := $(VENV)/bin/python
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+MPIEXEC ?= $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
+NP     ?= 4
+RANKS_PER_NODE ?= 2
+
+.PHONY: all install train test test-serial test-mpi bench clean
+
+all: test
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+train: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) drivers/bench_comm.py --ranks-per-node $(RANKS_PER_NODE) \
+		--sizes 262144,1048576,4194304 --density 0.01 --out bench_comm.json
+
+test: test-serial test-mpi
+
+test-serial: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-mpi: $(STAMP)
+	$(PY) tests/run_mpi.py --mpiexec $(MPIEXEC)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,9 @@
+"""Compute kernels of spar_comm, free of MPI: top-k selection and sparse helpers.
+
+Installed as ``spar_comm.kernels``. Everything here works on one rank's data;
+the collectives in ``spar_comm`` call into it.
+"""
+from .selection import SELECTORS, Selector, make_selector, register, topk
+from .sparse import scatter_add
+
+__all__ = ["SELECTORS", "Selector", "make_selector", "register", "scatter_add", "topk"]

@@ -1,0 +1,24 @@
+"""spar_comm: MPI-native data-parallel training with top-k sparsified gradients.
+
+The top-level ``kernels/`` folder is installed as ``spar_comm.kernels``: a
+top-level ``kernels`` module would clash with an unrelated published package.
+"""
+from setuptools import setup
+
+setup(
+    name="spar_comm",
+    version="0.1.0",
+    description="Top-k sparsified gradient allreduce (MSTopK, HiTopKComm) on mpi4py",
+    python_requires=">=3.9",
+    packages=["spar_comm", "spar_comm.kernels"],
+    package_dir={"spar_comm": "spar_comm", "spar_comm.kernels": "kernels"},
+    package_data={"spar_comm.kernels": ["*.cu"]},
+    install_requires=["mpi4py>=4", "numpy>=1.24", "h5py>=3.8"],
+    extras_require={
+        # An MPI library from the package index, for machines without one.
+        # Cluster users leave it out and build mpi4py against the site MPI.
+        "mpich": ["mpich"],
+        "gpu": ["cupy-cuda12x"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "hypothesis"],
+    },
+)
