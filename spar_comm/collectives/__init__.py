@@ -1,0 +1,51 @@
+"""The six allreduce algorithms, one module each, behind one interface."""
+from __future__ import annotations
+
+from typing import Any, Dict, Type
+
+from ..consensus import raise_if_any
+from ..topology import Topology
+from .base import Allreducer, selection_size
+from .dense import DenseAllreducer
+from .gtopk import GTopKAllreducer
+from .hier_dense import HierDenseAllreducer
+from .hitopk import HiTopKAllreducer
+from .hitopk_leader import HiTopKLeaderAllreducer
+from .topka import TopKAllgatherAllreducer
+
+#: Algorithm name -> class.
+ALGORITHMS: Dict[str, Type[Allreducer]] = {
+    cls.name: cls
+    for cls in (
+        DenseAllreducer,
+        HierDenseAllreducer,
+        TopKAllgatherAllreducer,
+        GTopKAllreducer,
+        HiTopKAllreducer,
+        HiTopKLeaderAllreducer,
+    )
+}
+
+
+def make_allreducer(
+    algorithm: str,
+    topology: Topology,
+    size: int,
+    dtype: Any = "float32",
+    density: float = 0.001,
+    selector: str = "mstopk",
+    error_feedback: bool = True,
+    average: bool = True,
+    selector_options: Dict[str, Any] | None = None,
+) -> Allreducer:
+    """An allreducer of ``algorithm`` for flat gradients of ``size`` elements.
+
+    Collective: every rank of ``topology.world`` must call it. Settings are
+    compared across ranks, and any bad or disagreeing setting raises
+    ConfigError on every rank.
+    """
+    known = isinstance(algorithm, str) and algorithm in ALGORITHMS
+    problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}"
+    raise_if_any(topology.world, problem)
+    cls = ALGORITHMS[algorithm]
+    return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options)

@@ -1,0 +1,233 @@
+"""What every allreducer shares: settings checked across ranks, the per-call
+gradient check, error-feedback residuals, and the ``.last`` figures.
+
+A subclass implements ``_reduce(grad) -> new flat array`` (the sum over ranks,
+not yet averaged) and says where its residual lives; the rest is here.
+"""
+from __future__ import annotations
+
+import math
+import time
+from fractions import Fraction
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import kernels
+from ..consensus import raise_if_any, require_same
+from ..errors import GradientError, NonFiniteGradientError
+from ..topology import Topology
+from .channel import Channel
+
+DTYPES = ("float32", "float64")
+#: Indices travel as int32 positions within a shard.
+MAX_SHARD = 2**31 - 1
+
+
+def selection_size(density: float, length: int) -> int:
+    """k for a vector of ``length``: ``max(1, ceil(density*length))``, at most ``length``.
+
+    The density is taken as the decimal the user wrote (0.01 is 1/100), so
+    that k does not depend on binary rounding (0.01*300 is not 3 in floats).
+    """
+    return min(length, max(1, math.ceil(Fraction(repr(float(density))) * length)))
+
+
+# The per-call check: each problem is a bit, gathered from every rank.
+_PROBLEMS = {
+    1: "not a NumPy array",
+    2: "not 1-D (allreduce takes the flat fused buffer)",
+    4: "wrong length",
+    8: "wrong dtype",
+    16: "not contiguous",
+    32: "non-finite values (NaN or Inf)",
+}
+_NON_FINITE = 32
+
+
+def _problems_of(grad: Any, size: int, dtype: np.dtype) -> int:
+    if not isinstance(grad, np.ndarray):
+        return 1
+    code = 0
+    if grad.ndim != 1:
+        code |= 2
+    elif grad.size != size:
+        code |= 4
+    if grad.dtype != dtype:
+        code |= 8
+    if not grad.flags.c_contiguous:
+        code |= 16
+    if code == 0 and not _all_finite(grad):
+        code |= _NON_FINITE
+    return code
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    # min and max propagate NaN and show +-Inf; two fast reductions, no temporary.
+    return bool(np.isfinite(x.min()) and np.isfinite(x.max())) if x.size else True
+
+
+class Allreducer:
+    """Sum (or average) a flat gradient over all ranks; see ``make_allreducer``."""
+
+    #: The registered name of the algorithm.
+    name = ""
+    #: Whether the algorithm selects (and therefore keeps residuals).
+    sparse = False
+
+    def __init__(
+        self,
+        topology: Topology,
+        size: int,
+        dtype: Any = "float32",
+        density: float = 0.001,
+        selector: str = "mstopk",
+        error_feedback: bool = True,
+        average: bool = True,
+        selector_options: Optional[Dict[str, Any]] = None,
+    ):
+        world = topology.world
+        problem = _check_settings(size, dtype, density, selector, self.sparse)
+        raise_if_any(world, problem)
+        require_same(
+            world,
+            "allreducer settings",
+            dict(
+                algorithm=self.name,
+                size=int(size),
+                dtype=np.dtype(dtype).name,
+                density=float(density),
+                selector=selector,
+                error_feedback=bool(error_feedback),
+                average=bool(average),
+                selector_options=repr(sorted((selector_options or {}).items())),
+            ),
+        )
+        self.topology = topology
+        self.size = int(size)
+        self.dtype = np.dtype(dtype)
+        self.density = float(density)
+        self.selector_name = selector
+        self.selector_options = dict(selector_options or {})
+        self.error_feedback = bool(error_feedback)
+        self.average = bool(average)
+        self._code = np.zeros(1, dtype=np.int32)
+        self._codes = np.zeros(world.size, dtype=np.int32)
+        self.last: Dict[str, float] = self._fresh_ledger()
+        self.world = self.channel(world, spans_nodes=True)
+        # The residual covers [lo, hi) of the global vector (empty for dense methods).
+        self._residual_range: Tuple[int, int] = (0, 0)
+        self._residual = np.zeros(0, dtype=self.dtype)
+
+    # -- construction helpers for subclasses -------------------------------------------
+    def channel(self, comm: MPI.Comm, spans_nodes: bool) -> Channel:
+        """Wrap ``comm``; its bytes count as inter-node when it spans nodes."""
+        inter = spans_nodes and self.topology.num_nodes > 1
+        return Channel(comm, "inter" if inter else "intra", self.last)
+
+    def new_selector(self) -> kernels.Selector:
+        """One selector per selection site, since a selector may keep state."""
+        return kernels.make_selector(self.selector_name, **self.selector_options)
+
+    def keep_residual(self, lo: int, hi: int) -> None:
+        """Keep a residual over ``[lo, hi)`` of the global vector (with error feedback)."""
+        if self.error_feedback:
+            self._residual_range = (lo, hi)
+            self._residual = np.zeros(hi - lo, dtype=self.dtype)
+
+    def with_residual(self, fresh: np.ndarray) -> np.ndarray:
+        """``fresh`` plus the residual, summed into the residual when error feedback
+        is on; otherwise ``fresh`` itself (selection leaves it untouched then)."""
+        if not self.error_feedback:
+            return fresh
+        self._residual += fresh
+        return self._residual
+
+    def select(self, selector: kernels.Selector, acc: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Pick k entries of ``acc``; return (indices, values) and leave the rest in
+        ``acc`` (the residual) when error feedback is on."""
+        start = time.perf_counter()
+        indices = selector(acc, k)
+        values = acc[indices]
+        if self.error_feedback:
+            acc[indices] = 0
+        self.last["t_select"] += time.perf_counter() - start
+        self.last["k"] += len(indices)
+        if len(values):
+            self.last["threshold"] = min(self.last["threshold"], float(np.abs(values).min()))
+        return indices, values
+
+    # -- the public interface ----------------------------------------------------------
+    def allreduce(self, grad: np.ndarray) -> np.ndarray:
+        """The sum (or mean) of ``grad`` over all ranks, as a new array.
+
+        Every rank gets identical bits. A gradient refused on any rank raises
+        GradientError on every rank and leaves the residuals as they were.
+        """
+        self.last = self._fresh_ledger()
+        self._check(grad)
+        start = time.perf_counter()
+        out = self._reduce(grad)
+        if self.average and self.world.size > 1:
+            out /= self.world.size
+        if math.isinf(self.last["threshold"]):  # nothing was selected: a dense method
+            self.last["threshold"] = 0.0
+        self.last["t_total"] = time.perf_counter() - start
+        return out
+
+    def residual_full(self) -> np.ndarray:
+        """This rank's residual in global coordinates (zeros elsewhere)."""
+        full = np.zeros(self.size, dtype=self.dtype)
+        lo, hi = self._residual_range
+        full[lo:hi] = self._residual
+        return full
+
+    # -- internals ---------------------------------------------------------------------
+    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _fresh_ledger(self) -> Dict[str, float]:
+        ledger = dict.fromkeys(("t_select", "t_intra", "t_inter"), 0.0)
+        ledger["threshold"] = math.inf  # the smallest selected magnitude, lowered by select()
+        ledger.update(dict.fromkeys(("k", "bytes_intra", "bytes_inter"), 0))
+        if hasattr(self, "last"):  # channels hold the ledger: refill it in place
+            self.last.clear()
+            self.last.update(ledger)
+            return self.last
+        return ledger
+
+    def _check(self, grad: Any) -> None:
+        """Gather every rank's verdict on its gradient; raise alike on all ranks."""
+        self._code[0] = _problems_of(grad, self.size, self.dtype)
+        self.topology.world.Allgather(self._code, self._codes)
+        if not self._codes.any():
+            return
+        parts: List[str] = []
+        for rank in np.flatnonzero(self._codes):
+            names = [text for bit, text in _PROBLEMS.items() if self._codes[rank] & bit]
+            parts.append(f"rank {rank}: " + ", ".join(names))
+        error = NonFiniteGradientError if (self._codes | _NON_FINITE).max() == _NON_FINITE else GradientError
+        raise error(
+            f"{self.name} allreduce refused the gradient (expected 1-D contiguous "
+            f"{self.dtype.name} of length {self.size}; nothing was changed): " + "; ".join(parts)
+        )
+
+
+def _check_settings(size: Any, dtype: Any, density: Any, selector: str, sparse: bool) -> Optional[str]:
+    """A message for the first bad setting, or None."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        return f"size must be a positive integer, got {size!r}"
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        return f"dtype {dtype!r} is not a NumPy dtype"
+    if name not in DTYPES:
+        return f"dtype must be one of {', '.join(DTYPES)}, got {name}"
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        return f"density must be in (0, 1], got {density!r}"
+    if selector not in kernels.SELECTORS:
+        return f"unknown selector {selector!r}; known: {', '.join(sorted(kernels.SELECTORS))}"
+    if sparse and size > MAX_SHARD:
+        return f"size {size} exceeds {MAX_SHARD}: sparse indices travel as int32"
+    return None

@@ -1,0 +1,81 @@
+"""MPI calls that keep the books: time and ring-model bytes per call.
+
+Every collective an allreducer makes goes through a ``Channel``: a
+communicator tagged ``intra`` (inside a node) or ``inter`` (across nodes).
+Bytes are what this rank sends under the ring model:
+
+* Allgather of b bytes per rank: (p-1)*b;
+* Reduce_scatter or Allgather of a whole n-byte vector: (p-1)/p*n;
+* Allreduce of n bytes: 2(p-1)/p*n;
+* Bcast: n from the root; Reduce: n from every rank but the root;
+* Send: the message.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+
+class Channel:
+    """A communicator whose calls add their time and bytes to ``ledger``."""
+
+    def __init__(self, comm: MPI.Comm, kind: str, ledger: Dict[str, float]):
+        assert kind in ("intra", "inter")
+        self.comm = comm
+        self.size = comm.size
+        self.rank = comm.rank
+        self._t, self._b = "t_" + kind, "bytes_" + kind
+        self._ledger = ledger
+
+    def _book(self, start: float, nbytes: int) -> None:
+        self._ledger[self._t] += time.perf_counter() - start
+        self._ledger[self._b] += int(nbytes)
+
+    def allreduce(self, buf: np.ndarray) -> None:
+        """Sum ``buf`` in place over the communicator."""
+        start = time.perf_counter()
+        if self.size > 1:
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        self._book(start, 2 * (self.size - 1) * buf.nbytes // self.size)
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+        start = time.perf_counter()
+        self.comm.Reduce_scatter(send, recv, list(counts), op=MPI.SUM)
+        self._book(start, (self.size - 1) * send.nbytes // self.size)
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Equal blocks: ``recv`` holds ``size`` copies of ``send``'s length."""
+        start = time.perf_counter()
+        self.comm.Allgather(send, recv)
+        self._book(start, (self.size - 1) * send.nbytes)
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+        """Blocks of ``counts`` elements, placed one after another in ``recv``."""
+        start = time.perf_counter()
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+        self.comm.Allgatherv(send, [recv, (list(counts), displs)])
+        self._book(start, (self.size - 1) * send.nbytes)
+
+    def bcast(self, buf: np.ndarray, root: int = 0) -> None:
+        start = time.perf_counter()
+        self.comm.Bcast(buf, root=root)
+        self._book(start, buf.nbytes if self.rank == root and self.size > 1 else 0)
+
+    def reduce(self, send: np.ndarray, recv: np.ndarray, root: int = 0) -> None:
+        start = time.perf_counter()
+        self.comm.Reduce(send, recv, op=MPI.SUM, root=root)
+        self._book(start, send.nbytes if self.rank != root else 0)
+
+    def send(self, buf: np.ndarray, dest: int, tag: int) -> None:
+        start = time.perf_counter()
+        self.comm.Send(buf, dest=dest, tag=tag)
+        self._book(start, buf.nbytes)
+
+    def recv(self, buf: np.ndarray, source: int, tag: int) -> None:
+        start = time.perf_counter()
+        self.comm.Recv(buf, source=source, tag=tag)
+        self._book(start, 0)
+

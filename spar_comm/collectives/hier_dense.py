@@ -1,0 +1,34 @@
+"""``hier_dense``: local Reduce_scatter -> rail Allreduce of my shard -> local Allgather.
+
+Only 1/local_size of the vector crosses nodes from each rank, and every node
+link carries the node's share once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..topology import shard_bounds
+from .base import Allreducer
+
+
+class HierDenseAllreducer(Allreducer):
+    name = "hier_dense"
+
+    def __init__(self, topology, size, *args, **kwargs):
+        super().__init__(topology, size, *args, **kwargs)
+        self.local = self.channel(topology.local, spans_nodes=False)
+        self.rails = {j: self.channel(c, spans_nodes=True) for j, c in topology.rails.items()}
+        self.counts = topology.local_shard_counts(self.size)
+        self.lo, _ = topology.owned_range(self.size)
+        self.shards = topology.shards_per_node
+
+    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+        out = np.empty_like(grad)
+        region = np.empty(self.counts[self.local.rank], dtype=self.dtype)
+        self.local.reduce_scatter(grad, region, self.counts)
+        for j, rail in self.rails.items():
+            lo, hi = shard_bounds(self.size, self.shards, j)
+            rail.allreduce(region[lo - self.lo : hi - self.lo])
+        self.local.allgatherv(region, out, self.counts)
+        self.last["k"] = self.size
+        return out

@@ -1,0 +1,83 @@
+"""``hitopk``: HiTopKComm (Shi et al., MLSys'21), the hierarchical sparse allreduce.
+
+1. local Reduce_scatter: each rank of a node holds the node's sum of its shard;
+2. add the residual and select k_shard = ceil(density * shard) of the shard;
+3. rail Allgather of the (index, value) pairs between the shard's owners on
+   every node; scatter-add (duplicates summed);
+4. local Allgather of the reduced shards, sparse or dense, whichever moves
+   fewer bytes (the choice is made from counts every local rank sees).
+
+Only k_shard pairs per rank cross nodes, and the dense traffic stays inside
+the node where bandwidth is plentiful.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..topology import shard_bounds
+from .base import Allreducer, selection_size
+from .pairs import PairExchange, PairLayout
+
+
+class _Site:
+    """One selection site: a shard I own, its rail, buffers and selector."""
+
+    def __init__(self, owner: "HiTopKAllreducer", j: int, rail):
+        lo, hi = shard_bounds(owner.size, owner.topology.shards_per_node, j)
+        self.lo, self.hi = lo - owner.lo, hi - owner.lo  # within my region
+        self.k = selection_size(owner.density, hi - lo)
+        self.exchange = PairExchange(rail, self.k, owner.dtype)
+        self.selector = owner.new_selector()
+
+
+class HiTopKAllreducer(Allreducer):
+    name = "hitopk"
+    sparse = True
+
+    def __init__(self, topology, size, *args, **kwargs):
+        super().__init__(topology, size, *args, **kwargs)
+        self.local = self.channel(topology.local, spans_nodes=False)
+        self.counts = topology.local_shard_counts(self.size)
+        self.offsets = np.concatenate(([0], np.cumsum(self.counts)[:-1])).tolist()
+        self.lo, self.hi = topology.owned_range(self.size)
+        self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
+        self.region = np.empty(self.hi - self.lo, dtype=self.dtype)
+        self.keep_residual(self.lo, self.hi)
+        self._count = np.zeros(1, dtype=np.int64)
+        self._counts = np.zeros(self.local.size, dtype=np.int64)
+
+    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+        self.local.reduce_scatter(grad, self.region, self.counts)
+        acc = self.with_residual(self.region)
+        reduced = np.zeros_like(self.region)
+        for site in self.sites:
+            indices, values = self.select(site.selector, acc[site.lo : site.hi], site.k)
+            site.exchange(indices, values, reduced[site.lo : site.hi])
+        if self.local.size == 1:
+            return reduced
+        return self._share_in_node(reduced)
+
+    def _share_in_node(self, reduced: np.ndarray) -> np.ndarray:
+        """Local Allgather of every rank's reduced region, sparse when that is smaller."""
+        nonzero = np.flatnonzero(reduced)
+        self._count[0] = nonzero.size
+        self.local.allgather(self._count, self._counts)
+        layouts = [PairLayout(int(u), self.dtype) for u in self._counts]
+        sparse_bytes = sum(layout.nbytes for layout in layouts)
+        out = np.zeros(self.size, dtype=self.dtype)
+        if sparse_bytes >= out.nbytes:
+            self.local.allgatherv(reduced, out, self.counts)
+            return out
+        mine = layouts[self.local.rank]
+        sendbuf = mine.empty()
+        values, indices = mine.views(sendbuf)
+        values[:] = reduced[nonzero]
+        indices[:] = nonzero
+        recvbuf = np.empty(sparse_bytes, dtype=np.uint8)
+        self.local.allgatherv(sendbuf, recvbuf, [layout.nbytes for layout in layouts])
+        start = 0
+        for layout, offset in zip(layouts, self.offsets):
+            values, indices = layout.views(recvbuf[start : start + layout.nbytes])
+            out[offset + indices] = values
+            start += layout.nbytes
+        return out

@@ -1,0 +1,41 @@
+"""``hitopk_leader``: the leader-based variant of hierarchical top-k.
+
+local Reduce to the node leader -> the leader adds its residual and selects k
+over the whole vector -> Allgather of (index, value) among the leaders ->
+scatter-add -> local Bcast of the result. Simpler than ``hitopk`` but one
+rank per node does all selection and all inter-node traffic.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .base import Allreducer, selection_size
+from .pairs import PairExchange
+
+
+class HiTopKLeaderAllreducer(Allreducer):
+    name = "hitopk_leader"
+    sparse = True
+
+    def __init__(self, topology, size, *args, **kwargs):
+        super().__init__(topology, size, *args, **kwargs)
+        self.local = self.channel(topology.local, spans_nodes=False)
+        self.is_leader = topology.leader != MPI.COMM_NULL
+        if self.is_leader:
+            self.k = selection_size(self.density, self.size)
+            leaders = self.channel(topology.leader, spans_nodes=True)
+            self.exchange = PairExchange(leaders, self.k, self.dtype)
+            self.selector = self.new_selector()
+            self.keep_residual(0, self.size)
+
+    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+        node_sum = np.empty_like(grad) if self.is_leader else None
+        self.local.reduce(grad, node_sum)
+        out = np.zeros_like(grad)
+        if self.is_leader:
+            acc = self.with_residual(node_sum)
+            indices, values = self.select(self.selector, acc, self.k)
+            self.exchange(indices, values, out)
+        self.local.bcast(out)
+        return out

@@ -1,0 +1,29 @@
+"""``topka``: TopK-A, the DGC-style sparse allreduce.
+
+Each rank adds its residual, selects k = ceil(density*n) entries, and the
+world allgathers the (index, value) pairs; every rank then sums them. Bytes
+per rank grow with the world size: (p-1)*k*(4+itemsize).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Allreducer, selection_size
+from .pairs import PairExchange
+
+
+class TopKAllgatherAllreducer(Allreducer):
+    name = "topka"
+    sparse = True
+
+    def __init__(self, topology, size, *args, **kwargs):
+        super().__init__(topology, size, *args, **kwargs)
+        self.k = selection_size(self.density, self.size)
+        self.exchange = PairExchange(self.world, self.k, self.dtype)
+        self.selector = self.new_selector()
+        self.keep_residual(0, self.size)
+
+    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+        acc = self.with_residual(grad)
+        indices, values = self.select(self.selector, acc, self.k)
+        return self.exchange(indices, values, np.zeros(self.size, self.dtype))
