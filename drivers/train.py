@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Data-parallel training with sparsified gradient allreduce: the command line
+of ``spar_comm.training``.
+
+    mpiexec -n 4 python drivers/train.py          # MLP on digits, hitopk + mstopk, 2 emulated nodes of 2
+    mpiexec -n 4 python drivers/train.py --model mlp --dataset synthetic --hidden 4096 --steps 30
+    mpirun -n 128 python drivers/train.py --ranks-per-node 0   # a real cluster: nodes found by shared memory
+
+Rank 0 alone prints: a progress bar and one summary line. Bad arguments end
+every rank with status 2; an error on any rank ends the whole job non-zero.
+"""
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per rank: on a CPU run the ranks fill the cores already.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from typing import List, NoReturn, Optional  # noqa: E402
+
+from mpi4py import MPI  # noqa: E402
+
+from spar_comm import ALGORITHMS  # noqa: E402
+from spar_comm.errors import ConfigError, SparCommError  # noqa: E402
+from spar_comm.topology import ENV_RANKS_PER_NODE  # noqa: E402
+from spar_comm.training import TrainConfig, train  # noqa: E402
+from spar_comm.training.config import DATASETS, DEVICES, MODELS, SCHEDULES  # noqa: E402
+
+RANK = MPI.COMM_WORLD.rank
+DEFAULTS = TrainConfig()
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """argparse whose errors print on rank 0 only; every rank exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        if RANK == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def make_parser() -> RankZeroParser:
+    p = RankZeroParser(prog="train.py", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    comm = p.add_argument_group("communication")
+    comm.add_argument("--algorithm", default=DEFAULTS.algorithm, choices=list(ALGORITHMS))
+    comm.add_argument("--selector", default=DEFAULTS.selector, help="top-k method of spar_comm.kernels")
+    comm.add_argument("--density", type=float, default=DEFAULTS.density, help="fraction of gradient entries sent")
+    comm.add_argument("--ranks-per-node", type=int, default=int(os.environ.get(ENV_RANKS_PER_NODE) or 2),
+                      help="emulate nodes of this many consecutive ranks; 0: real nodes, found by shared memory")
+    model = p.add_argument_group("model and data")
+    model.add_argument("--model", default=DEFAULTS.model, choices=MODELS, help="cnn needs torch")
+    model.add_argument("--dataset", default=DEFAULTS.dataset, choices=DATASETS)
+    model.add_argument("--hidden", type=int, default=DEFAULTS.hidden, help="MLP width (4096: ~17M parameters)")
+    model.add_argument("--depth", type=int, default=DEFAULTS.depth, help="MLP hidden layers")
+    model.add_argument("--dtype", default=DEFAULTS.dtype, choices=["float32", "float64"])
+    model.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="gpu needs CuPy")
+    opt = p.add_argument_group("optimization")
+    length = opt.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="default: 30 on digits, 1 on synthetic")
+    length.add_argument("--steps", type=int, help="total optimizer steps (instead of --epochs)")
+    opt.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="per rank")
+    opt.add_argument("--lr", type=float, default=DEFAULTS.lr, help="peak learning rate")
+    opt.add_argument("--momentum", type=float, default=DEFAULTS.momentum)
+    opt.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
+    opt.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="steps of linear warm-up")
+    opt.add_argument("--schedule", default=DEFAULTS.schedule, choices=SCHEDULES)
+    opt.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    run = p.add_argument_group("trace, checkpoints and stopping")
+    run.add_argument("--trace", default="runs/train.h5", help="HDF5 trace path ('' for none)")
+    run.add_argument("--trace-every", type=int, default=DEFAULTS.trace_every, help="steps between appends")
+    run.add_argument("--checkpoint", help="HDF5 checkpoint path, written at the end and on a stop")
+    run.add_argument("--checkpoint-every", type=int, default=0, help="also save every this many steps")
+    run.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    run.add_argument("--stop-after", type=int, help="stop with a checkpoint once this many steps are done")
+    run.add_argument("--time-limit", type=float, help="stop with a checkpoint after this many seconds")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    values = {key: value for key, value in vars(args).items() if key != "no_progress"}
+    values["ranks_per_node"] = args.ranks_per_node or None
+    values["trace"] = args.trace or None
+    return TrainConfig(progress=not args.no_progress, **values)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.ranks_per_node < 0:
+        parser.error(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
+    config = config_from(args)
+    problems = config.problems()
+    if problems:
+        parser.error("; ".join(problems))
+    try:
+        summary = train(config)
+    except ConfigError as exc:  # alike on every rank, raised before any file is written
+        parser.error(str(exc))
+    except SparCommError as exc:  # alike on every rank: report once, no abort needed
+        if RANK == 0:
+            sys.stderr.write(f"train.py: {type(exc).__name__}: {exc}\n")
+        return 1
+    if RANK == 0:
+        print(summary.line(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        # A failure of this rank alone: the others may wait in a collective, so
+        # report it and abort the whole job. Ranks other than 0 wait a moment
+        # first, so a failure that every rank hit is printed once, by rank 0.
+        if RANK != 0:
+            time.sleep(1.0)
+        sys.stderr.write(f"train.py: rank {RANK} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)

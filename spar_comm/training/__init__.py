@@ -1,0 +1,10 @@
+"""The training loop as a library (DESIGN §5) and its HDF5 trace (§6).
+
+    from spar_comm.training import TrainConfig, train
+    summary = train(TrainConfig(algorithm="hitopk", density=0.01, ranks_per_node=2))
+"""
+from .config import TrainConfig
+from .loop import Summary, build_model, train
+from .trace import Trace, read_trace
+
+__all__ = ["Summary", "Trace", "TrainConfig", "build_model", "read_trace", "train"]

@@ -1,0 +1,110 @@
+"""Every setting of a training run, in one dataclass that the trace and the
+checkpoint store as JSON, so that a run can be described, compared and resumed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+MODELS = ("mlp", "softmax", "cnn")
+DATASETS = ("digits", "synthetic")
+SCHEDULES = ("cosine", "step")
+DEVICES = ("cpu", "gpu")
+
+#: Settings that may change when a run is resumed: they stop, trace or place
+#: the run but do not change its bits.
+RESUMABLE_CHANGES = frozenset(
+    {"stop_after", "time_limit", "trace", "trace_every", "checkpoint", "checkpoint_every", "resume", "progress"}
+)
+
+
+@dataclass
+class TrainConfig:
+    """The settings of one run; the defaults are those of ``make train``."""
+
+    algorithm: str = "hitopk"
+    selector: str = "mstopk"
+    density: float = 0.01
+    ranks_per_node: Optional[int] = None
+    model: str = "mlp"
+    dataset: str = "digits"
+    hidden: int = 128
+    depth: int = 2
+    epochs: Optional[int] = None
+    steps: Optional[int] = None
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup: int = 20
+    schedule: str = "cosine"
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    trace: Optional[str] = None
+    trace_every: int = 10
+    checkpoint: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    stop_after: Optional[int] = None
+    time_limit: Optional[float] = None
+    progress: bool = True
+
+    def problems(self) -> List[str]:
+        """What is wrong with these settings, each as one sentence (empty if none)."""
+        found = []
+        if self.model not in MODELS:
+            found.append(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.dataset not in DATASETS:
+            found.append(f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        if self.schedule not in SCHEDULES:
+            found.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.device not in DEVICES:
+            found.append(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in ("float32", "float64"):
+            found.append(f"--dtype must be float32 or float64, got {self.dtype!r}")
+        if not 0 < self.density <= 1:
+            found.append(f"--density must be in (0, 1], got {self.density}")
+        if self.epochs is not None and self.steps is not None:
+            found.append("give --epochs or --steps, not both")
+        positive = dict(
+            hidden=self.hidden, depth=self.depth, batch_size=self.batch_size, trace_every=self.trace_every,
+            epochs=self.epochs, steps=self.steps, stop_after=self.stop_after, ranks_per_node=self.ranks_per_node,
+        )
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                found.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        non_negative = dict(
+            lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, warmup=self.warmup,
+            checkpoint_every=self.checkpoint_every,
+        )
+        for name, value in non_negative.items():
+            if value < 0:
+                found.append(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.time_limit is not None and self.time_limit <= 0:
+            found.append(f"--time-limit must be > 0 seconds, got {self.time_limit}")
+        if self.resume and not self.checkpoint:
+            found.append("--resume needs --checkpoint PATH")
+        if (self.stop_after or self.time_limit or self.checkpoint_every) and not self.checkpoint:
+            found.append("--stop-after, --time-limit and --checkpoint-every need --checkpoint PATH")
+        if self.model == "cnn" and self.dataset != "digits":
+            found.append("--model cnn takes 8x8 images: use it with --dataset digits")
+        return found
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        return cls(**json.loads(text))
+
+    def differences(self, other: "TrainConfig") -> Dict[str, Any]:
+        """Settings that differ from ``other`` and would change the run's bits."""
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
+        return {
+            key: (theirs[key], mine[key])
+            for key in mine
+            if key not in RESUMABLE_CHANGES and mine[key] != theirs[key]
+        }

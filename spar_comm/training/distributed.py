@@ -1,0 +1,99 @@
+"""The loop's one door to MPI and to the host: the array namespace of a
+device, the fused gradient allreduce, and the small collectives of a step.
+
+The allreducers take NumPy arrays; a gradient on another device or in
+another framework crosses to the host here (zero-copy for NumPy and CPU torch).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+import array_api_compat
+import numpy as np
+from mpi4py import MPI
+
+from ..collectives import make_allreducer
+from ..errors import ConfigError
+from ..topology import Topology
+
+
+def array_backend(device: str) -> Tuple[Any, Any]:
+    """(array namespace, device object) for ``cpu`` (NumPy) or ``gpu`` (CuPy).
+
+    Raises ConfigError when the GPU is asked for and CuPy cannot use one.
+    """
+    if device == "cpu":
+        return array_api_compat.array_namespace(np.zeros(0)), "cpu"
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no CuPy, no driver or no device: all read the same to the user
+        raise ConfigError(f"--device gpu needs CuPy and a CUDA device: {type(exc).__name__}: {exc}") from exc
+    if count < 1:
+        raise ConfigError("--device gpu: CuPy sees no CUDA device")
+    x = cupy.zeros(0)
+    return array_api_compat.array_namespace(x), array_api_compat.device(x)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A NumPy view of ``x`` (a copy only when ``x`` is off the host)."""
+    return np.asarray(array_api_compat.to_device(x, "cpu"))
+
+
+class Group:
+    """The ranks of a run: fused allreduce of the gradient and tiny collectives."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.comm: MPI.Comm = topology.world
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self._flag = np.zeros(1, dtype=np.int32)
+
+    def allreducer(self, algorithm: str, size: int, dtype: str, density: float, selector: str) -> "FusedAllreduce":
+        return FusedAllreduce(make_allreducer(algorithm, self.topology, size, dtype, density, selector))
+
+    def broadcast(self, x: Any, xp: Any) -> None:
+        """Overwrite ``x`` in place with rank 0's bits."""
+        host = np.ascontiguousarray(to_host(x))
+        self.comm.Bcast(host, root=0)
+        x[...] = xp.asarray(host, device=array_api_compat.device(x))
+
+    def sum(self, values: Sequence[float]) -> np.ndarray:
+        """Elementwise sum over ranks of a few float64 figures."""
+        buf = np.asarray(values, dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return buf
+
+    def any_flags(self, flags: int) -> int:
+        """The bitwise OR of every rank's ``flags``: how ranks agree on local events."""
+        self._flag[0] = flags
+        self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.BOR)
+        return int(self._flag[0])
+
+
+class FusedAllreduce:
+    """One allreduce call per step on the flat gradient, in the gradient's namespace."""
+
+    def __init__(self, reducer: Any):
+        self.reducer = reducer
+
+    @property
+    def last(self) -> dict:
+        return self.reducer.last
+
+    def __call__(self, grad: Any, xp: Any) -> Any:
+        out = self.reducer.allreduce(to_host(grad))
+        return xp.asarray(out, device=array_api_compat.device(grad))
+
+    def residual(self) -> Tuple[Tuple[int, int], np.ndarray]:
+        """This rank's error-feedback residual: its global range and values."""
+        # TODO(collectives): use a public residual_state() once the allreducers have one.
+        return self.reducer._residual_range, self.reducer._residual
+
+    def load_residual(self, span: Tuple[int, int], values: np.ndarray) -> None:
+        """Restore a residual saved by ``residual()`` on the same rank and layout."""
+        mine, current = self.residual()
+        if tuple(span) != tuple(mine) or values.shape != current.shape:
+            raise ConfigError(f"checkpoint residual covers {tuple(span)}, this rank's covers {tuple(mine)}")
+        current[...] = values

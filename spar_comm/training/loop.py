@@ -1,0 +1,203 @@
+"""The training loop as a library: ``train(config)`` runs one data-parallel
+job on every rank of a communicator and returns its summary.
+
+The loop is written against the Python array API (the namespace comes from
+the parameters), so it runs on NumPy, CuPy or torch tensors alike; NumPy and
+MPI appear only behind ``distributed``, ``data``, ``trace`` and ``checkpoint``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import array_api_compat
+from mpi4py import MPI
+from tqdm import tqdm
+
+from .. import __version__
+from ..errors import ConfigError
+from ..topology import Topology
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .control import StopControl
+from .data import Dataset, Shards, load_dataset
+from .distributed import Group, array_backend
+from .models import MLP
+from .optim import SGD
+from .schedule import LearningRate
+from .trace import COLUMN, StepRecorder, TraceWriter
+
+
+@dataclass
+class Summary:
+    """What a run achieved; the same on every rank."""
+
+    steps: int
+    total_steps: int
+    test_metric: float
+    train_loss: float
+    wall: float
+    steps_per_s: float
+    step_s: float
+    comm_s: float
+    select_s: float
+    stopped: str
+    setup: str
+
+    def line(self) -> str:
+        """The one line rank 0 prints at the end of a run."""
+        stop = f" | stopped by {self.stopped} at step {self.steps}" if self.stopped else ""
+        return (
+            f"held-out accuracy {self.test_metric:.4f} | train loss {self.train_loss:.4f} | "
+            f"{self.steps}/{self.total_steps} steps, {self.steps_per_s:.1f} steps/s | "
+            f"communication {1e3 * self.comm_s:.2f} ms/step = {self._share(self.comm_s):.0f}% of step time "
+            f"(+ select {self._share(self.select_s):.0f}%) | {self.setup}{stop}"
+        )
+
+    def _share(self, seconds: float) -> float:
+        return 100.0 * seconds / self.step_s if self.step_s > 0 else 0.0
+
+
+def build_model(config: TrainConfig, data: Dataset, xp: Any, device: Any) -> Any:
+    """The model the config names, in the array namespace ``xp``."""
+    if config.model == "cnn":
+        if config.device != "cpu":
+            raise ConfigError("--model cnn runs on --device cpu for now")
+        from .torch_model import small_cnn
+
+        return small_cnn(config.seed, data.n_classes, config.dtype)
+    depth = 0 if config.model == "softmax" else config.depth
+    return MLP(data.n_features, data.n_classes, config.hidden, depth, xp, config.dtype, device)
+
+
+def evaluate(model: Any, params: Any, data: Dataset, group: Group, xp: Any, device: Any) -> float:
+    """Held-out accuracy; each rank scores its share of the test set."""
+    x = xp.asarray(data.x_test[group.rank :: group.size], device=device)
+    y = xp.asarray(data.y_test[group.rank :: group.size], device=device)
+    correct = xp.sum(xp.astype(xp.argmax(model.logits(params, x), axis=1) == y, xp.int64))
+    right, seen = group.sum([float(correct), y.shape[0]])
+    return right / seen
+
+
+def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
+    """Run ``config`` on every rank of ``comm`` (default COMM_WORLD). Collective.
+
+    Bad settings raise ConfigError on every rank alike, before any file is written.
+    """
+    problems = config.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    topology = Topology(comm, config.ranks_per_node)
+    group = Group(topology)
+    rank0 = group.rank == 0
+
+    # -- the pieces: data, model, optimizer, allreducer -------------------------------
+    xp, device = array_backend(config.device)
+    data = load_dataset(config.dataset, config.dtype)
+    model = build_model(config, data, xp, device)
+    params = model.init(config.seed)
+    xp = array_api_compat.array_namespace(params)
+    shards = Shards(len(data.y_train), group.rank, group.size, config.batch_size, config.seed)
+    if shards.steps_per_epoch < 1:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is larger than a rank's share of the training set "
+            f"({shards.per_rank} samples at {group.size} ranks)"
+        )
+    total = config.steps or (config.epochs or default_epochs(config)) * shards.steps_per_epoch
+    lr_at = LearningRate(config.lr, total, config.warmup, config.schedule)
+    optimizer = SGD(params, xp, config.momentum, config.weight_decay)
+    allreduce = group.allreducer(config.algorithm, model.layout.size, config.dtype, config.density, config.selector)
+
+    # -- a fresh start (rank 0's weights everywhere) or a resume ------------------------
+    start = 0
+    if config.resume:
+        start = load_checkpoint(config.checkpoint, group, config, model.layout, params, optimizer.velocity, allreduce, xp)
+    else:
+        group.broadcast(params, xp)
+    setup = (
+        f"{config.algorithm}/{config.selector} density {config.density:g}, {config.model} "
+        f"({model.layout.size:,} parameters) on {config.dataset}, {topology.describe().split(';')[0]}"
+    )
+    writer = None
+    if rank0 and config.trace:
+        writer = TraceWriter(config.trace, trace_attributes(config, topology, model, shards, total),
+                             topology.hosts, resume_step=start if config.resume else None)
+    recorder = StepRecorder(group.comm, config.trace_every, writer)
+    stop = StopControl(group, config.stop_after, config.time_limit)
+    bar = tqdm(total=total, initial=start, disable=not (rank0 and config.progress), unit="step", dynamic_ncols=True)
+
+    # -- the loop ------------------------------------------------------------------------
+    began = time.perf_counter()
+    loss_sum, loss_count, accuracy, evaluated_at, reason = 0.0, 0, float("nan"), -1, 0
+    step = start
+    while step < total and not reason:
+        t0 = time.perf_counter()
+        idx = shards.indices(step)
+        batch = (xp.asarray(data.x_train[idx], device=device), xp.asarray(data.y_train[idx], device=device))
+        t1 = time.perf_counter()
+        loss, grad = model.loss_and_grad(params, batch)
+        t2 = time.perf_counter()
+        grad = allreduce(grad, xp)
+        t3 = time.perf_counter()
+        lr = lr_at(step)
+        optimizer.step(params, grad, lr)
+        t4 = time.perf_counter()
+        step += 1
+        reason = stop.check(step)
+        last = allreduce.last
+        recorder.record(step - 1, dict(
+            data=t1 - t0, compute=t2 - t1, select=last["t_select"], comm_intra=last["t_intra"],
+            comm_inter=last["t_inter"], update=t4 - t3, step=time.perf_counter() - t0,
+            bytes_intra=last["bytes_intra"], bytes_inter=last["bytes_inter"], k=last["k"],
+            threshold=last["threshold"], loss=loss, lr=lr,
+        ))
+        loss_sum, loss_count = loss_sum + loss, loss_count + 1
+        bar.update(1)
+        if step % shards.steps_per_epoch == 0 or step == total or reason:
+            accuracy = evaluate(model, params, data, group, xp, device)
+            mean_loss = group.sum([loss_sum, loss_count])
+            train_loss = mean_loss[0] / max(mean_loss[1], 1)
+            loss_sum, loss_count, evaluated_at = 0.0, 0, step
+            if writer:
+                writer.add_eval(step=step, epoch=step / shards.steps_per_epoch, train_loss=train_loss,
+                                test_metric=accuracy, wall=time.perf_counter() - began)
+            bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{accuracy:.4f}")
+    wall = time.perf_counter() - began
+    recorder.flush()
+    bar.close()
+    stop.restore()
+
+    # -- the end: a last evaluation if the loop did none, a checkpoint, the summary ------
+    if evaluated_at != step:
+        accuracy = evaluate(model, params, data, group, xp, device)
+    if config.checkpoint:
+        save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards)
+    if writer:
+        writer.close()
+    summary = None
+    if rank0:
+        per_step = recorder.totals.mean(axis=0) / max(recorder.steps_gathered, 1)
+        summary = Summary(
+            steps=step, total_steps=total, test_metric=accuracy, train_loss=recorder.last_loss, wall=wall,
+            steps_per_s=(step - start) / wall if wall > 0 else 0.0, step_s=per_step[COLUMN["step"]],
+            comm_s=per_step[COLUMN["comm_intra"]] + per_step[COLUMN["comm_inter"]],
+            select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
+        )
+    return group.comm.bcast(summary, root=0)
+
+
+def default_epochs(config: TrainConfig) -> int:
+    """Epochs when neither --epochs nor --steps is given: enough for digits."""
+    return 30 if config.dataset == "digits" else 1
+
+
+def trace_attributes(config: TrainConfig, topology: Topology, model: Any, shards: Shards, total: int) -> dict:
+    """The root attributes of the trace (DESIGN §6)."""
+    return dict(
+        version=__version__, world_size=topology.world.size, nodes=topology.num_nodes,
+        ranks_per_node=topology.node_sizes, algorithm=config.algorithm, selector=config.selector,
+        density=config.density, config=config.to_json(), test_metric_name="accuracy",
+        parameters=model.layout.size, steps_per_epoch=shards.steps_per_epoch, total_steps=total,
+        topology=topology.describe().split(";")[0],
+    )
