@@ -35,7 +35,7 @@ class TrainConfig:
     epochs: Optional[int] = None
     steps: Optional[int] = None
     batch_size: int = 32
-    lr: float = 0.1
+    lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-4
     warmup: int = 20
