@@ -1,0 +1,120 @@
+"""Serial NumPy models of the six allreducers, written independently of the
+package: the per-rank gradients go in as a list, and the reference plays every
+rank and node itself. Selection is the exact top-k with ties to the lowest
+index (a stable sort), which every exact method of the package must match.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Dict, List
+
+import numpy as np
+
+
+def k_of(density: float, length: int) -> int:
+    return min(length, max(1, math.ceil(Fraction(repr(density)) * length)))
+
+
+def top_positions(a: np.ndarray, k: int) -> np.ndarray:
+    """The k largest |a|, ties to the lowest position, ascending."""
+    order = np.argsort(-np.abs(a), kind="stable")
+    return np.sort(order[:k])
+
+
+def node_list(p: int, ranks_per_node: int) -> List[List[int]]:
+    return [list(range(first, min(first + ranks_per_node, p))) for first in range(0, p, ranks_per_node)]
+
+
+class Reference:
+    """Plays one algorithm over ``p`` ranks in nodes of ``ranks_per_node``."""
+
+    def __init__(self, algorithm, p, ranks_per_node, n, dtype, density, error_feedback=True, average=True):
+        self.algorithm, self.p, self.n = algorithm, p, n
+        self.dtype, self.density = np.dtype(dtype), density
+        self.error_feedback, self.average = error_feedback, average
+        self.nodes = node_list(p, ranks_per_node)
+        self.residuals = [np.zeros(n, self.dtype) for _ in range(p)]
+
+    def step(self, grads: List[np.ndarray]) -> np.ndarray:
+        out = getattr(self, "_" + self.algorithm)([g.astype(self.dtype) for g in grads])
+        return out / self.p if self.average and self.p > 1 else out
+
+    # -- selection with error feedback at one site ------------------------------------
+    def _pick(self, rank: int, lo: int, hi: int, fresh: np.ndarray, k: int):
+        """Add ``fresh`` to rank's residual over [lo, hi), pick k; returns (global idx, values)."""
+        acc = self.residuals[rank][lo:hi] + fresh if self.error_feedback else fresh.copy()
+        idx = top_positions(acc, k)
+        values = acc[idx].copy()
+        acc[idx] = 0
+        if self.error_feedback:
+            self.residuals[rank][lo:hi] = acc
+        return idx + lo, values
+
+    def _dense_sum(self, arrays) -> np.ndarray:
+        total = np.zeros(self.n, self.dtype)
+        for a in arrays:
+            total = total + a
+        return total
+
+    # -- the algorithms ----------------------------------------------------------------
+    def _dense(self, grads):
+        return self._dense_sum(grads)
+
+    _hier_dense = _dense
+
+    def _topka(self, grads):
+        out = np.zeros(self.n, self.dtype)
+        k = k_of(self.density, self.n)
+        for r, g in enumerate(grads):
+            idx, values = self._pick(r, 0, self.n, g, k)
+            np.add.at(out, idx, values)
+        return out
+
+    def _hitopk(self, grads):
+        out = np.zeros(self.n, self.dtype)
+        shards = max(len(node) for node in self.nodes)
+        for node in self.nodes:
+            node_sum = self._dense_sum([grads[r] for r in node])
+            for j in range(shards):
+                lo, hi = j * self.n // shards, (j + 1) * self.n // shards
+                owner = node[j * len(node) // shards]
+                idx, values = self._pick(owner, lo, hi, node_sum[lo:hi], k_of(self.density, hi - lo))
+                np.add.at(out, idx, values)
+        return out
+
+    def _hitopk_leader(self, grads):
+        out = np.zeros(self.n, self.dtype)
+        for node in self.nodes:
+            node_sum = self._dense_sum([grads[r] for r in node])
+            idx, values = self._pick(node[0], 0, self.n, node_sum, k_of(self.density, self.n))
+            np.add.at(out, idx, values)
+        return out
+
+    def _gtopk(self, grads):
+        k = k_of(self.density, self.n)
+        sets: Dict[int, Dict[int, float]] = {}
+        for r, g in enumerate(grads):
+            idx, values = self._pick(r, 0, self.n, g, k)
+            sets[r] = dict(zip(idx.tolist(), values))
+        step = 1
+        while step < self.p:
+            for r in range(0, self.p, 2 * step):
+                if r + step < self.p:
+                    sets[r] = self._merge(r, sets[r], sets.pop(r + step), k)
+            step *= 2
+        out = np.zeros(self.n, self.dtype)
+        for i, v in sets[0].items():
+            out[i] = v
+        return out
+
+    def _merge(self, rank, mine, theirs, k):
+        union = sorted(set(mine) | set(theirs))
+        summed = np.array(
+            [self.dtype.type(mine.get(i, 0)) + self.dtype.type(theirs.get(i, 0)) for i in union], self.dtype
+        )
+        keep = top_positions(summed, k)
+        if self.error_feedback:
+            for pos in sorted(set(range(len(union))) - set(keep.tolist())):
+                self.residuals[rank][union[pos]] += summed[pos]
+        return {union[pos]: summed[pos] for pos in keep}

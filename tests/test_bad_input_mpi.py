@@ -1,0 +1,123 @@
+"""Bad input raises the same error on every rank, and the allreducer (and the
+communicators) still work afterwards: no rank was left inside a collective."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpi_helpers import assert_all
+from spar_comm import (
+    ALGORITHMS,
+    ConfigError,
+    GradientError,
+    NonFiniteGradientError,
+    Topology,
+    make_allreducer,
+)
+
+COMM = MPI.COMM_WORLD
+LAST = COMM.size - 1  # the rank that misbehaves
+
+
+@pytest.fixture(scope="module")
+def topology():
+    topo = Topology(ranks_per_node=2)
+    yield topo
+    topo.free()
+
+
+def raised_everywhere(error_type, call) -> str:
+    """Run ``call`` on every rank; every rank must raise ``error_type``."""
+    try:
+        call()
+    except error_type as error:
+        message = str(error)
+    else:
+        message = None
+    assert_all(COMM, message is not None, f"no {error_type.__name__} raised")
+    messages = COMM.allgather(message)
+    assert_all(COMM, len(set(messages)) == 1, f"ranks raised different messages: {messages}")
+    return message
+
+
+GOOD = np.arange(100, dtype=np.float32)
+BAD_GRADIENTS = {
+    "wrong length": (np.zeros(99, np.float32), GradientError, "wrong length"),
+    "wrong dtype": (np.zeros(100, np.float64), GradientError, "wrong dtype"),
+    "2-D": (np.zeros((10, 10), np.float32), GradientError, "not 1-D"),
+    "non-contiguous": (np.zeros(200, np.float32)[::2], GradientError, "not contiguous"),
+    "list": ([0.0] * 100, GradientError, "not a NumPy array"),
+    "NaN": (np.where(GOOD == 5, np.nan, GOOD).astype(np.float32), NonFiniteGradientError, "non-finite"),
+    "Inf": (np.where(GOOD == 5, -np.inf, GOOD).astype(np.float32), NonFiniteGradientError, "non-finite"),
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("case", list(BAD_GRADIENTS))
+def test_bad_gradient_on_one_rank(topology, algorithm, case):
+    bad, error_type, words = BAD_GRADIENTS[case]
+    reducer = make_allreducer(algorithm, topology, 100, "float32", density=0.1, selector="exact")
+    reducer.allreduce(GOOD)
+    residual = reducer.residual_full()
+    grad = bad if COMM.rank == LAST else GOOD
+    message = raised_everywhere(error_type, lambda: reducer.allreduce(grad))
+    assert_all(COMM, f"rank {LAST}: {words}" in message, message)
+    assert_all(COMM, np.array_equal(residual, reducer.residual_full()), "the refused call changed the residual")
+    out = reducer.allreduce(GOOD)  # still usable, on every rank
+    assert_all(COMM, out.shape == (100,), "no result after a refused call")
+
+
+BAD_SETTINGS = {
+    "density 0": (dict(density=0.0), "density must be in (0, 1]"),
+    "density 1.5": (dict(density=1.5), "density must be in (0, 1]"),
+    "size 0": (dict(size=0), "size must be a positive integer"),
+    "dtype int": (dict(dtype="int32"), "dtype must be one of"),
+    "selector": (dict(selector="no_such"), "unknown selector"),
+    "algorithm": (dict(algorithm="no_such"), "unknown algorithm"),
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+@pytest.mark.parametrize("everywhere", [True, False], ids=["all-ranks", "one-rank"])
+def test_bad_settings(topology, case, everywhere):
+    change, words = BAD_SETTINGS[case]
+    settings = dict(algorithm="hitopk", size=100, dtype="float32", density=0.1, selector="exact")
+    if everywhere or COMM.rank == LAST:
+        settings.update(change)
+    algorithm = settings.pop("algorithm")
+    message = raised_everywhere(ConfigError, lambda: make_allreducer(algorithm, topology, **settings))
+    assert_all(COMM, words in message, message)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("field, value", [("size", 101), ("dtype", "float64"), ("density", 0.2)])
+def test_ranks_that_disagree(topology, field, value):
+    settings = dict(size=100, dtype="float32", density=0.1, selector="exact")
+    if COMM.rank == LAST:
+        settings[field] = value
+    message = raised_everywhere(ConfigError, lambda: make_allreducer("topka", topology, **settings))
+    assert_all(COMM, "disagree" in message and field in message, message)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_on_algorithm(topology):
+    algorithm = "gtopk" if COMM.rank == LAST else "topka"
+    message = raised_everywhere(ConfigError, lambda: make_allreducer(algorithm, topology, 100, selector="exact"))
+    assert_all(COMM, "algorithm" in message, message)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("value", [0, -2, "two"])
+def test_bad_ranks_per_node(value):
+    message = raised_everywhere(ConfigError, lambda: Topology(ranks_per_node=value))
+    assert_all(COMM, "ranks_per_node" in message, message)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_topology_disagreement():
+    rpn = 2 if COMM.rank == LAST else 1
+    message = raised_everywhere(ConfigError, lambda: Topology(ranks_per_node=rpn))
+    assert_all(COMM, "disagree" in message, message)

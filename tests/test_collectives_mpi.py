@@ -1,0 +1,111 @@
+"""Every allreducer against the serial reference, at the world size mpiexec
+gave, for every emulated node layout that size allows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpi_helpers import assert_all, assert_identical_bits, layouts
+from reference import Reference
+from spar_comm import ALGORITHMS, Topology, make_allreducer
+
+COMM = MPI.COMM_WORLD
+STEPS = 4
+
+
+def integer_grads(seed: int, step: int, p: int, n: int, dtype) -> list:
+    """Every rank's gradient, known to all ranks. Multiples of 2**-6 below 2**12
+    in magnitude: every sum over ranks and steps is exact in float32, so the
+    reference must agree to the last bit whatever order MPI adds in. Duplicated
+    magnitudes are common, which exercises the tie rule."""
+    rng = np.random.default_rng([seed, step])
+    return [(rng.integers(-(2**12), 2**12, n) * 2.0**-6).astype(dtype) for _ in range(p)]
+
+
+@pytest.fixture(scope="module", params=list(layouts(COMM.size)), ids=lambda r: f"rpn{r}")
+def topology(request):
+    topo = Topology(ranks_per_node=request.param)
+    yield topo
+    topo.free()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n, density", [(1, 0.5), (13, 0.2), (1000, 0.01), (1037, 0.05), (300, 1.0)])
+def test_matches_serial_reference(topology, algorithm, dtype, n, density):
+    p, rank = COMM.size, COMM.rank
+    rpn = topology.emulated_ranks_per_node
+    reducer = make_allreducer(algorithm, topology, n, dtype, density=density, selector="exact")
+    ref = Reference(algorithm, p, rpn, n, dtype, density)
+    for step in range(STEPS):
+        grads = integer_grads(n, step, p, n, dtype)
+        out = reducer.allreduce(grads[rank])
+        expected = ref.step(grads)
+        assert_all(COMM, out.dtype == np.dtype(dtype) and out.shape == (n,), f"{out.dtype} {out.shape}")
+        assert_all(COMM, np.array_equal(out, expected), f"step {step}: output differs from the reference")
+        assert_all(
+            COMM,
+            np.array_equal(reducer.residual_full(), ref.residuals[rank]),
+            f"step {step}: residual differs from the reference",
+        )
+        assert_identical_bits(COMM, out, "output")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_conservation_on_random_gradients(topology, algorithm, dtype):
+    """Applied updates plus residuals equal the raw gradients, summed over ranks
+    and steps (average=False), up to rounding of the sums."""
+    n, rank = 4099, COMM.rank
+    reducer = make_allreducer(algorithm, topology, n, dtype, density=0.01, selector="exact", average=False)
+    rng = np.random.default_rng([7, rank])
+    applied = np.zeros(n, np.float64)
+    raw = np.zeros(n, np.float64)
+    for _ in range(STEPS):
+        grad = rng.standard_normal(n).astype(dtype)
+        raw += grad
+        applied += reducer.allreduce(grad)
+    raw_total = COMM.allreduce(raw)
+    kept_total = COMM.allreduce(reducer.residual_full().astype(np.float64))
+    error = np.abs(applied + kept_total - raw_total).max()
+    scale = np.abs(raw_total).max()
+    tolerance = (1e-5 if dtype == "float32" else 1e-12) * scale * STEPS
+    assert_all(COMM, error <= tolerance, f"conservation error {error:.3g} > {tolerance:.3g}")
+    assert_identical_bits(COMM, applied, "applied updates")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["topka", "gtopk", "hitopk", "hitopk_leader"])
+def test_without_error_feedback_nothing_is_kept(topology, algorithm):
+    n, p, rank = 500, COMM.size, COMM.rank
+    reducer = make_allreducer(algorithm, topology, n, "float64", 0.05, selector="exact", error_feedback=False)
+    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, n, "float64", 0.05, error_feedback=False)
+    for step in range(3):
+        grads = integer_grads(99, step, p, n, "float64")
+        out = reducer.allreduce(grads[rank])
+        assert_all(COMM, np.array_equal(out, ref.step(grads)), f"step {step}: output differs")
+    assert_all(COMM, not reducer.residual_full().any(), "a residual was kept without error feedback")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_accounting(topology, algorithm):
+    """``.last`` holds every figure; bytes follow the ring model's sign rules."""
+    n = 2048
+    reducer = make_allreducer(algorithm, topology, n, "float32", density=0.01, selector="exact")
+    reducer.allreduce(np.ones(n, np.float32) * (COMM.rank + 1))
+    last = reducer.last
+    keys = {"k", "bytes_intra", "bytes_inter", "t_select", "t_intra", "t_inter", "threshold"}
+    assert_all(COMM, keys <= set(last), f"missing {keys - set(last)}")
+    assert_all(COMM, all(last[key] >= 0 for key in keys), f"negative figure in {last}")
+    if topology.num_nodes == 1:
+        assert_all(COMM, last["bytes_inter"] == 0, f"inter-node bytes on one node: {last}")
+    if COMM.size == 1:
+        assert_all(COMM, last["bytes_intra"] == 0, f"bytes sent by a lone rank: {last}")
+    if algorithm == "dense" and COMM.size > 1:
+        expected = 2 * (COMM.size - 1) * n * 4 // COMM.size
+        key = "bytes_inter" if topology.num_nodes > 1 else "bytes_intra"
+        assert_all(COMM, last[key] == expected, f"dense sent {last[key]}, ring model says {expected}")
