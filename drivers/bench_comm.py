@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Measure every allreduce algorithm at several gradient sizes.
+
+Each call is timed on every rank and the slowest rank's time counts; the
+figure reported is the median over --repeat calls after --warmup calls. The
+table shows time, selection and communication time, and the bytes each rank
+sends inside and between nodes (ring model, see spar_comm.collectives.channel).
+The JSON written to --out (after every size, so a killed run keeps what it
+measured) is what the cost model is fitted on.
+
+    mpiexec -n 4 python drivers/bench_comm.py --ranks-per-node 2 \\
+        --sizes 262144,1048576,16777216 --density 0.001 --out bench_comm.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import spar_comm
+from spar_comm import ALGORITHMS, Topology, make_allreducer
+from spar_comm.kernels import SELECTORS
+from spar_comm.launch import run_main
+
+FIGURES = ("t_select", "t_intra", "t_inter")
+
+
+def positive_ints(text: str) -> list:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be positive integers, got {text!r}")
+    return values
+
+
+def density(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"density must be in (0, 1], got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench_comm.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=positive_ints, default=[262144, 1048576, 4194304],
+                        help="gradient sizes in elements, comma-separated (default: 2^18,2^20,2^22)")
+    parser.add_argument("--density", type=density, default=0.001, help="fraction selected (default: %(default)s)")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                        help="comma-separated subset of: %(default)s")
+    parser.add_argument("--selector", default="mstopk" if "mstopk" in SELECTORS else "exact",
+                        choices=sorted(SELECTORS), help="top-k method (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="emulate nodes of this many consecutive ranks (default: real nodes)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=10, help="timed calls (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.algorithms.split(",")) - set(ALGORITHMS))
+    if unknown:
+        parser.error(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
+    args.algorithms = args.algorithms.split(",")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        parser.error("--ranks-per-node must be >= 1")
+    if args.repeat < 1 or args.warmup < 0:
+        parser.error("--repeat must be >= 1 and --warmup >= 0")
+    if args.out:
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"cannot write --out {args.out}: {folder} is not a writable folder")
+    return args
+
+
+def measure(reducer, grad: np.ndarray, warmup: int, repeat: int) -> dict:
+    """Median of the slowest rank's time per call, and of the call's figures."""
+    world = reducer.topology.world
+    for _ in range(warmup):
+        reducer.allreduce(grad)
+    rows = np.zeros((repeat, 1 + len(FIGURES)))
+    for i in range(repeat):
+        world.Barrier()
+        start = MPI.Wtime()
+        reducer.allreduce(grad)
+        rows[i, 0] = MPI.Wtime() - start
+        rows[i, 1:] = [reducer.last[name] for name in FIGURES]
+    slowest = np.empty_like(rows)
+    world.Allreduce(rows, slowest, op=MPI.MAX)
+    sent = np.array([reducer.last["bytes_intra"], reducer.last["bytes_inter"], reducer.last["k"]], np.int64)
+    most = np.empty_like(sent)
+    world.Allreduce(sent, most, op=MPI.MAX)
+    medians = np.median(slowest, axis=0)
+    return {
+        "time_median": float(medians[0]),
+        "time_p10": float(np.percentile(slowest[:, 0], 10)),
+        "time_p90": float(np.percentile(slowest[:, 0], 90)),
+        "times": slowest[:, 0].tolist(),
+        **{name: float(value) for name, value in zip(FIGURES, medians[1:])},
+        "bytes_intra": int(most[0]),
+        "bytes_inter": int(most[1]),
+        "k": int(most[2]),
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    topology = Topology(ranks_per_node=args.ranks_per_node)
+    world = topology.world
+    lead = world.rank == 0
+    meta = {
+        "tool": "bench_comm",
+        "spar_comm_version": spar_comm.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "world_size": world.size,
+        "num_nodes": topology.num_nodes,
+        "node_sizes": topology.node_sizes,
+        "ranks_per_node": topology.node_sizes[0],
+        "emulated": topology.emulated_ranks_per_node is not None,
+        "hosts": sorted(set(topology.hosts)),
+        "dtype": args.dtype,
+        "density": args.density,
+        "selector": args.selector,
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+    }
+    results = []
+    if lead:
+        print(f"# {topology.describe()}; {args.dtype}, density {args.density}, selector {args.selector}")
+        print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
+        header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'select':>8} {'intra':>8} " \
+                 f"{'inter':>8} {'intra B':>12} {'inter B':>12}"
+        print(header, flush=True)
+    rng = np.random.default_rng([args.seed, world.rank])
+    for size in args.sizes:
+        grad = rng.standard_normal(size).astype(args.dtype)
+        dense_time = None
+        for algorithm in args.algorithms:
+            reducer = make_allreducer(algorithm, topology, size, args.dtype, args.density, args.selector)
+            row = {"algorithm": algorithm, "size": size, "nbytes": grad.nbytes,
+                   **measure(reducer, grad, args.warmup, args.repeat)}
+            results.append(row)
+            dense_time = row["time_median"] if algorithm == "dense" else dense_time
+            if lead:
+                ratio = f"{dense_time / row['time_median']:7.1f}x" if dense_time else f"{'':>8}"
+                print(f"{size:>10} {algorithm:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
+                      f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} {row['t_inter'] * 1e3:8.3f} "
+                      f"{row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)
+        if lead and args.out:
+            write_json(args.out, {"meta": meta, "results": results})
+    return 0
+
+
+def write_json(path: str, document: dict) -> None:
+    """Replace ``path`` atomically, so a reader never sees half a file."""
+    temporary = path + ".tmp"
+    with open(temporary, "w") as stream:
+        json.dump(document, stream, indent=1)
+    os.replace(temporary, path)
+
+
+if __name__ == "__main__":
+    run_main(main, "bench_comm.py")

@@ -1,0 +1,35 @@
+"""How a command-line driver ends: cleanly on every rank, or the whole job.
+
+spar_comm's own errors are raised on every rank alike, so each rank can exit
+with status 2 after rank 0 prints the message once. Any other exception may
+be on one rank only, with the others waiting in a collective: that rank
+prints its traceback and aborts the whole job.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Callable
+
+from mpi4py import MPI
+
+from .errors import SparCommError
+
+
+def run_main(main: Callable[[], int | None], prog: str) -> None:
+    """Run ``main`` and exit the process the way an HPC user expects."""
+    try:
+        code = main() or 0
+    except SystemExit:
+        raise
+    except SparCommError as error:  # collective by construction: every rank is here
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except BaseException:
+        rank = MPI.COMM_WORLD.rank
+        text = traceback.format_exc()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    sys.exit(code)
