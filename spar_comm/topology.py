@@ -39,6 +39,12 @@ def _ranks_per_node(given: Optional[int]) -> Tuple[Optional[int], Optional[str]]
     return value, None
 
 
+def shard_owner(shard: int, node_size: int, shards: int) -> int:
+    """The local rank that owns ``shard`` of ``shards`` on a node of ``node_size``
+    ranks: contiguous runs, every rank at least one shard when node_size <= shards."""
+    return shard * node_size // shards
+
+
 def shard_bounds(n: int, parts: int, j: int) -> Tuple[int, int]:
     """The balanced split: shard ``j`` of ``parts`` is ``[j*n//parts, (j+1)*n//parts)``."""
     return j * n // parts, (j + 1) * n // parts
@@ -84,7 +90,7 @@ class Topology:
         # Shards of the hierarchical algorithms (see the module docstring).
         self.shards_per_node: int = max(self.node_sizes)
         g, shards = self.local_size, self.shards_per_node
-        self.my_shards: List[int] = [j for j in range(shards) if j * g // shards == self.local_rank]
+        self.my_shards: List[int] = [j for j in range(shards) if shard_owner(j, g, shards) == self.local_rank]
         if self.equal_nodes:
             self.rails: Dict[int, MPI.Comm] = {self.local_rank: self.rail}
         else:
@@ -105,7 +111,7 @@ class Topology:
         counts = [0] * g
         for j in range(shards):
             lo, hi = shard_bounds(n, shards, j)
-            counts[j * g // shards] += hi - lo
+            counts[shard_owner(j, g, shards)] += hi - lo
         return counts
 
     def owned_range(self, n: int) -> Tuple[int, int]:

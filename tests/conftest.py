@@ -7,3 +7,33 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `import reference`
 
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_mpiexec() -> str:
+    """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
+    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
+
+
+@pytest.fixture
+def run_driver():
+    """Run ``drivers/NAME`` (under ``mpiexec -n ranks`` when ranks is given) with a
+    hard time limit; returns the CompletedProcess with text output."""
+
+    def run(name, *args, ranks=None, timeout=120, env=None):
+        command = [sys.executable, str(ROOT / "drivers" / name), *map(str, args)]
+        if ranks:
+            command = [find_mpiexec(), "-n", str(ranks), *command]
+        return subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
+
+    return run

@@ -1,0 +1,171 @@
+"""drivers/train.py under mpiexec, launched as a subprocess with a hard time
+limit: bit-identical resume, clean stops, bad input, and failures that end
+the whole job instead of hanging it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import h5py
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+#: Small and fast: the MLP on digits with the exact selector (every method is tested elsewhere).
+FAST = ["--selector", "exact", "--no-progress", "--trace-every", "5", "--hidden", "32"]
+LIMIT = 120  # seconds: a hang fails the test instead of the suite
+
+
+def mpi_command(n: int, args: List[str], script: str = "drivers/train.py") -> List[str]:
+    return [MPIEXEC, "-n", str(n), sys.executable, script, *args]
+
+
+def run_train(n: int, args: List[str], script: str = "drivers/train.py") -> subprocess.CompletedProcess:
+    """Run train.py (or a wrapper of it) on n ranks and return the finished process."""
+    return subprocess.run(mpi_command(n, args, script), cwd=ROOT, capture_output=True, text=True, timeout=LIMIT)
+
+
+def datasets(path: Path) -> dict:
+    found = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.update({name: obj[...]}) if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def test_stop_after_then_resume_gives_the_same_bits(tmp_path):
+    common = [*FAST, "--steps", "40", "--ranks-per-node", "1", "--trace", ""]
+    full = run_train(2, [*common, "--checkpoint", str(tmp_path / "full.h5")])
+    assert full.returncode == 0, full.stderr
+    first = run_train(2, [*common, "--checkpoint", str(tmp_path / "part.h5"), "--stop-after", "20"])
+    assert first.returncode == 0, first.stderr
+    assert "stopped by --stop-after at step 20" in first.stdout
+    with h5py.File(tmp_path / "part.h5") as f:
+        assert f.attrs["step"] == 20
+    second = run_train(2, [*common, "--checkpoint", str(tmp_path / "part.h5"), "--resume"])
+    assert second.returncode == 0, second.stderr
+    a, b = datasets(tmp_path / "full.h5"), datasets(tmp_path / "part.h5")
+    assert sorted(a) == sorted(b)
+    assert {"params/layer0.weight", "optimizer/velocity/layer0.weight", "residuals/rank0", "residuals/rank1"} <= set(a)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    assert full.stdout.split("|")[0] == second.stdout.split("|")[0]  # the same held-out accuracy
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    ckpt = str(tmp_path / "c.h5")
+    assert run_train(2, [*FAST, "--steps", "5", "--trace", "", "--checkpoint", ckpt]).returncode == 0
+    before = Path(ckpt).read_bytes()
+    again = run_train(2, [*FAST, "--steps", "5", "--trace", "", "--checkpoint", ckpt, "--resume", "--lr", "0.3"])
+    assert again.returncode == 2
+    assert again.stderr.count("settings differ from the checkpoint's (lr: 0.05 -> 0.3)") == 1
+    assert Path(ckpt).read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--density", "0"], "--density must be in (0, 1]"),
+        (["--algorithm", "nope"], "invalid choice: 'nope'"),
+        (["--epochs", "2", "--steps", "3"], "not allowed with argument"),
+        (["--batch-size", "100000"], "larger than a rank's share"),
+        (["--selector", "nope"], "unknown selector 'nope'"),
+        (["--resume", "--checkpoint", "missing.h5"], "no checkpoint to resume"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message_and_keeps_the_trace(tmp_path, args, message):
+    trace = tmp_path / "t.h5"
+    trace.write_bytes(b"an earlier run's trace")
+    result = run_train(2, [*FAST, "--trace", str(trace), *args])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count(message) == 1, result.stderr
+    assert result.stderr.count("usage: train.py") == 1
+    assert trace.read_bytes() == b"an earlier run's trace"
+
+
+def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
+    wrapper = tmp_path / "fail_on_rank1.py"
+    wrapper.write_text(
+        "import runpy, sys\n"
+        "from mpi4py import MPI\n"
+        "from spar_comm.training import models\n"
+        "original = models.MLP.loss_and_grad\n"
+        "calls = [0]\n"
+        "def failing(self, params, batch):\n"
+        "    calls[0] += 1\n"
+        "    if MPI.COMM_WORLD.rank == 1 and calls[0] == 5:\n"
+        "        raise RuntimeError('injected failure')\n"
+        "    return original(self, params, batch)\n"
+        "models.MLP.loss_and_grad = failing\n"
+        f"sys.argv = ['train.py'] + {[*FAST, '--trace', '', '--steps', '50']!r}\n"
+        "runpy.run_path('drivers/train.py', run_name='__main__')\n"
+    )
+    result = run_train(3, [], script=str(wrapper))
+    assert result.returncode != 0
+    assert result.stderr.count("RuntimeError: injected failure") == 1, result.stderr
+    assert "rank 1 failed" in result.stderr
+
+
+def test_sigusr1_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    ckpt, trace = tmp_path / "c.h5", tmp_path / "t.h5"
+    args = [*FAST, "--epochs", "10000", "--checkpoint", str(ckpt), "--trace", str(trace)]
+    job = subprocess.Popen(mpi_command(2, args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_steps(trace, job)
+        ranks = _rank_pids(job.pid)
+        os.kill(ranks[-1], signal.SIGUSR1)  # one rank alone: the others must follow it
+        out, err = job.communicate(timeout=LIMIT)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err
+    assert "stopped by signal" in out
+    with h5py.File(ckpt) as f:
+        step = int(f.attrs["step"])
+    with h5py.File(trace) as f:
+        assert f["step"][-1] == step - 1 and len(f["step"]) == step
+
+
+def test_sigkill_of_a_rank_ends_the_job_and_keeps_the_trace(tmp_path):
+    trace = tmp_path / "t.h5"
+    args = [*FAST, "--epochs", "10000", "--trace", str(trace)]
+    job = subprocess.Popen(mpi_command(3, args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_steps(trace, job)
+        os.kill(_rank_pids(job.pid)[-1], signal.SIGKILL)
+        job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    with h5py.File(trace, "r") as f:
+        steps = f["step"][:]
+        assert len(steps) >= 10 and np.array_equal(steps, np.arange(len(steps)))
+        assert f["phases/step"].shape == (len(steps), 3)
+
+
+def _wait_for_steps(trace: Path, job: subprocess.Popen, steps: int = 10) -> None:
+    """Until the live trace (read as SWMR) holds ``steps`` steps."""
+    deadline = time.monotonic() + LIMIT
+    while time.monotonic() < deadline:
+        assert job.poll() is None, job.communicate()
+        try:
+            with h5py.File(trace, "r", libver="latest", swmr=True) as f:
+                if len(f["step"]) >= steps:
+                    return
+        except (OSError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the run wrote no trace in time")
+
+
+def _rank_pids(launcher: int) -> List[int]:
+    """The python processes started by mpiexec (its grandchildren, through the proxy)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines()]
+    children = {int(p) for p, pp, _ in rows if int(pp) == launcher}
+    return sorted(int(p) for p, pp, args in rows if int(pp) in children and "train.py" in args)
