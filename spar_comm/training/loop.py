@@ -7,15 +7,17 @@ MPI appear only behind ``distributed``, ``data``, ``trace`` and ``checkpoint``.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import array_api_compat
 from mpi4py import MPI
 from tqdm import tqdm
 
 from .. import __version__
+from ..consensus import raise_if_any
 from ..errors import ConfigError
 from ..topology import Topology
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -91,9 +93,11 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
     topology = Topology(comm, config.ranks_per_node)
     group = Group(topology)
     rank0 = group.rank == 0
+    missing = config.resume and not os.path.exists(config.checkpoint)
+    raise_if_any(topology.world, f"no checkpoint to resume at {config.checkpoint}" if missing else None)
 
     # -- the pieces: data, model, optimizer, allreducer -------------------------------
-    xp, device = array_backend(config.device)
+    xp, device = agreed_backend(config.device, topology)
     data = load_dataset(config.dataset, config.dtype)
     model = build_model(config, data, xp, device)
     params = model.init(config.seed)
@@ -185,6 +189,16 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
             select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
         )
     return group.comm.bcast(summary, root=0)
+
+
+def agreed_backend(device: str, topology: Topology) -> Tuple[Any, Any]:
+    """``array_backend`` on every rank, refused on all if any rank lacks it."""
+    try:
+        backend, problem = array_backend(device), None
+    except ConfigError as exc:
+        backend, problem = None, str(exc)
+    raise_if_any(topology.world, problem)
+    return backend
 
 
 def default_epochs(config: TrainConfig) -> int:

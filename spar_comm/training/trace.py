@@ -37,7 +37,7 @@ class StepRecorder:
         self.steps = np.zeros(every, dtype=np.int64)
         self.count = 0
         root = comm.rank == 0
-        self.recv = np.zeros((comm.size, every, len(FIELDS))) if root else None
+        self.recv = np.zeros(comm.size * every * len(FIELDS)) if root else None
         self.totals = np.zeros((comm.size, len(FIELDS))) if root else None
         self.steps_gathered = 0
         self.last_loss = float("nan")
@@ -58,8 +58,8 @@ class StepRecorder:
         n = self.count
         if n == 0:
             return
-        recv = None if self.recv is None else self.recv[:, :n]
-        self.comm.Gather(np.ascontiguousarray(self.rows[:n]), recv, root=0)
+        recv = None if self.recv is None else self.recv[: self.comm.size * n * len(FIELDS)].reshape(self.comm.size, n, -1)
+        self.comm.Gather(self.rows[:n], recv, root=0)
         self.count = 0
         if recv is None:
             return
