@@ -27,9 +27,10 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
+# The default run: MLP on digits, hitopk + mstopk, density 0.01, trace in runs/train.h5.
+# On a real cluster: make train RANKS_PER_NODE=0 (nodes found by shared memory).
 train: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(PY) drivers/bench_comm.py --ranks-per-node $(RANKS_PER_NODE) \
-		--sizes 262144,1048576,4194304 --density 0.01 --out bench_comm.json
+	$(MPIEXEC) -n $(NP) $(PY) drivers/train.py --ranks-per-node $(RANKS_PER_NODE) $(TRAIN_ARGS)
 
 test: test-serial test-mpi
 

@@ -10,15 +10,23 @@ setup(
     version="0.1.0",
     description="Top-k sparsified gradient allreduce (MSTopK, HiTopKComm) on mpi4py",
     python_requires=">=3.9",
-    packages=["spar_comm", "spar_comm.kernels"],
+    packages=["spar_comm", "spar_comm.kernels", "spar_comm.training"],
     package_dir={"spar_comm": "spar_comm", "spar_comm.kernels": "kernels"},
     package_data={"spar_comm.kernels": ["*.cu"]},
-    install_requires=["mpi4py>=4", "numpy>=1.24", "h5py>=3.8"],
+    install_requires=[
+        "mpi4py>=4", "numpy>=1.24", "h5py>=3.8",
+        # the training loop: array API, progress bar, the digits data set shipped in the wheel
+        "array-api-compat>=1.4", "tqdm", "scikit-learn>=1.0",
+    ],
     extras_require={
         # An MPI library from the package index, for machines without one.
         # Cluster users leave it out and build mpi4py against the site MPI.
         "mpich": ["mpich"],
         "gpu": ["cupy-cuda12x"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "hypothesis"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "hypothesis", "matplotlib"],
+        # analyze.py --plot
+        "plot": ["matplotlib"],
+        # the PyTorch autograd adapter (train.py --model cnn)
+        "torch": ["torch"],
     },
 )
