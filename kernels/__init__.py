@@ -5,5 +5,6 @@ the collectives in ``spar_comm`` call into it.
 """
 from .selection import SELECTORS, Selector, make_selector, register, topk
 from .sparse import scatter_add
+from . import mstopk, threshold  # noqa: E402,F401  (register their methods)
 
 __all__ = ["SELECTORS", "Selector", "make_selector", "register", "scatter_add", "topk"]

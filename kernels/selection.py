@@ -5,7 +5,9 @@ positions of ``min(k, x.size)`` entries of largest ``|x|`` of a flat array, as
 unique integers in ascending order. Exact methods (``SELECTORS[name] is True``)
 return precisely ``{i : |x[i]| > t}`` plus the lowest positions with
 ``|x[i]| == t``, where ``t`` is the k-th largest magnitude, so that every exact
-method gives the same bits on every machine.
+method gives the same bits on every machine. NaN counts as larger than every
+number (Inf included) and all NaNs are equal, so a NaN is always selected
+(``magnitude`` explains why); integer input is ranked by its exact ``|x|``.
 
 A *selector* is a callable ``selector(x, k) -> indices`` made by
 ``make_selector(method, **options)``. Stateless methods are plain functions;
@@ -17,6 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Protocol
 
 import numpy as np
+
+from .magnitude import magnitude_keys, pick_top
 
 
 class Selector(Protocol):
@@ -65,15 +69,16 @@ def topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
 
 
 def exact_topk(x: np.ndarray, k: int) -> np.ndarray:
-    """The reference: ``argpartition`` for the threshold, ties to the lowest positions."""
+    """The reference: partition every magnitude key, ties to the lowest positions.
+
+    Keys order entries by ``|x|`` with NaN above every number (see
+    ``magnitude``); the set is the one the module docstring defines.
+    """
+    check_input(x, k)
     n = x.size
     if k >= n:
         return np.arange(n, dtype=np.int64)
-    a = np.abs(x)
-    t = a[np.argpartition(a, n - k)[n - k]]
-    above = np.flatnonzero(a > t)
-    ties = np.flatnonzero(a == t)[: k - above.size]
-    return np.union1d(above, ties).astype(np.int64, copy=False)
+    return np.flatnonzero(pick_top(magnitude_keys(x), k)).astype(np.int64, copy=False)
 
 
 register("exact", lambda: exact_topk, exact=True)
