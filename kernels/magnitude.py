@@ -74,16 +74,16 @@ def canonical_nan(keys: np.ndarray, layout: FloatLayout | None) -> np.ndarray:
     return keys
 
 
-def pick_top(keys: np.ndarray, k: int) -> np.ndarray:
-    """Mask of the ``k`` largest keys, ties to the lowest positions (the contract)."""
-    n = keys.size
-    if k >= n:
-        return np.ones(n, dtype=bool)
-    t = np.partition(keys, n - k)[n - k]
+def pick_top(keys: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+    """Mask of the ``k`` largest keys, ties to the lowest positions (the contract), and the k-th key.
+
+    Needs ``1 <= k <= keys.size``.
+    """
+    t = kth_key(keys, k)
     chosen = keys > t
     short = k - int(np.count_nonzero(chosen))
     chosen[np.flatnonzero(keys == t)[:short]] = True
-    return chosen
+    return chosen, int(t)
 
 
 def kth_key(keys: np.ndarray, k: int):

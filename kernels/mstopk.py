@@ -108,10 +108,12 @@ def mstopk_select(x: np.ndarray, k: int, N: int = 30) -> tuple[np.ndarray, Optio
                 k2, thres2 = c, t
 
     chosen = np.zeros(keys.size, dtype=bool) if thres1 is None else keys >= keys.dtype.type(thres1)
-    if k1 < k:
+    if k1 < k:  # the band lies below thres1, so its k-th pick is the smallest selected key
         band = np.flatnonzero(~chosen if thres2 is None else ~chosen & (keys >= keys.dtype.type(thres2)))
-        chosen[band[pick_top(keys[band], k - k1)]] = True
-    kth = int(keys[chosen].min())
+        fill, kth = pick_top(keys[band], k - k1)
+        chosen[band[fill]] = True
+    else:
+        kth = int(keys[chosen].min())
     if positions is None:
         return np.flatnonzero(chosen).astype(np.int64, copy=False), kth
     return positions[chosen], kth

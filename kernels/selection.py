@@ -78,7 +78,7 @@ def exact_topk(x: np.ndarray, k: int) -> np.ndarray:
     n = x.size
     if k >= n:
         return np.arange(n, dtype=np.int64)
-    return np.flatnonzero(pick_top(magnitude_keys(x), k)).astype(np.int64, copy=False)
+    return np.flatnonzero(pick_top(magnitude_keys(x), k)[0]).astype(np.int64, copy=False)
 
 
 register("exact", lambda: exact_topk, exact=True)

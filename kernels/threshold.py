@@ -56,8 +56,7 @@ def select(x: np.ndarray, k: int, floors=None) -> Selection:
         if floors is not None:
             search = itertools.chain(floors, search)
         positions, keys = candidates_from(x, layout, k, search)
-    chosen = pick_top(keys, k)
-    kth = int(keys[chosen].min())
+    chosen, kth = pick_top(keys, k)
     if positions is None:
         return Selection(np.flatnonzero(chosen).astype(np.int64, copy=False), kth, n)
     return Selection(positions[chosen], kth, positions.size)
