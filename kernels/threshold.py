@@ -90,7 +90,8 @@ class ThresholdWarm(Threshold):
     The first floor is ``margin * previous threshold``. When the k-th magnitude
     fell below it (the floor admitted fewer than k entries and the sample took
     over) the margin is squared, i.e. widened; when the floor admitted more
-    than ``4k`` entries it is loosened towards 1. Keep one object per call site
+    than ``1.5k`` entries (the sample floor admits about 1.2k) it is loosened
+    towards 1. Keep one object per call site
     (per shard): the state describes one gradient's history.
     """
 
@@ -111,7 +112,7 @@ class ThresholdWarm(Threshold):
         self.threshold = key_to_value(result.key, x.dtype)
         if result.key is not None and result.key < floor:
             self.margin = self.margin**2
-        elif result.candidates > 4 * k:
+        elif result.candidates > 3 * k // 2:
             self.margin = self.margin**0.5
         return result.positions
 
