@@ -79,6 +79,7 @@ def test_resume_refuses_changed_settings(tmp_path):
         (["--batch-size", "100000"], "larger than a rank's share"),
         (["--selector", "nope"], "unknown selector 'nope'"),
         (["--resume", "--checkpoint", "missing.h5"], "no checkpoint to resume"),
+        (["--device", "gpu"], "--device gpu needs CuPy"),
     ],
 )
 def test_bad_input_exits_2_with_one_message_and_keeps_the_trace(tmp_path, args, message):

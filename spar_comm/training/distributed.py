@@ -82,6 +82,11 @@ class FusedAllreduce:
     def last(self) -> dict:
         return self.reducer.last
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the algorithm selects (dense ones ignore selector and density)."""
+        return self.reducer.sparse
+
     def __call__(self, grad: Any, xp: Any) -> Any:
         out = self.reducer.allreduce(to_host(grad))
         return xp.asarray(out, device=array_api_compat.device(grad))

@@ -119,8 +119,9 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
         start = load_checkpoint(config.checkpoint, group, config, model.layout, params, optimizer.velocity, allreduce, xp)
     else:
         group.broadcast(params, xp)
+    method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
     setup = (
-        f"{config.algorithm}/{config.selector} density {config.density:g}, {config.model} "
+        f"{method}, {config.model} "
         f"({model.layout.size:,} parameters) on {config.dataset}, {topology.describe().split(';')[0]}"
     )
     writer = None
