@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -65,6 +66,26 @@ def test_a_resumed_trace_drops_the_rows_past_the_checkpoint(traces, tmp_path):
     trace = read_trace(str(copy))
     assert trace.steps == 10 and trace.data["phases/step"].shape == (10, 4)
     assert (trace.data["eval/step"] <= 10).all()
+
+
+def test_a_trace_whose_writer_died_can_be_resumed(traces, tmp_path):
+    copy = tmp_path / "crashed.h5"
+    copy.write_bytes(traces[0].read_bytes())
+    crash = (
+        "import os, signal, numpy as np\n"
+        "from spar_comm.training.trace import FIELDS, TraceWriter\n"
+        f"w = TraceWriter({str(copy)!r}, {{}}, ['h'] * 4, resume_step={STEPS})\n"
+        f"w.append(np.array([{STEPS}]), np.ones((1, 4, len(FIELDS))))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", crash], timeout=60).returncode == -signal.SIGKILL
+    with pytest.raises(OSError):
+        h5py.File(copy, "a").close()
+    TraceWriter(str(copy), {}, ["h"] * 4, resume_step=STEPS - 3).close()
+    trace = read_trace(str(copy))
+    assert trace.steps == STEPS - 3 and trace.attrs["algorithm"] == "hitopk"
+    with h5py.File(copy, "r") as f:  # whole again: no SWMR reader needed
+        assert f["phases/step"].shape == (STEPS - 3, 4)
 
 
 def analyze(*args: str) -> subprocess.CompletedProcess:

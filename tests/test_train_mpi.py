@@ -82,6 +82,7 @@ def test_resume_refuses_changed_settings(tmp_path):
         (["--selector", "nope"], "unknown selector 'nope'"),
         (["--resume", "--checkpoint", "missing.h5"], "no checkpoint to resume"),
         (["--device", "gpu"], "--device gpu needs CuPy"),
+        (["--trace", "/proc/no/such/t.h5"], "cannot write the trace /proc/no/such/t.h5"),
     ],
 )
 def test_bad_input_exits_2_with_one_message_and_keeps_the_trace(tmp_path, args, message):

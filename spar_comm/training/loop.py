@@ -124,10 +124,14 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
         f"{method}, {config.model} "
         f"({model.layout.size:,} parameters) on {config.dataset}, {topology.describe().split(';')[0]}"
     )
-    writer = None
+    writer, problem = None, None
     if rank0 and config.trace:
-        writer = TraceWriter(config.trace, trace_attributes(config, topology, model, shards, total),
-                             topology.hosts, resume_step=start if config.resume else None)
+        try:
+            writer = TraceWriter(config.trace, trace_attributes(config, topology, model, shards, total),
+                                 topology.hosts, resume_step=start if config.resume else None)
+        except OSError as exc:
+            problem = f"cannot write the trace {config.trace}: {exc}"
+    raise_if_any(topology.world, problem)
     recorder = StepRecorder(group.comm, config.trace_every, writer)
     stop = StopControl(group, config.stop_after, config.time_limit)
     bar = tqdm(total=total, initial=start, disable=not (rank0 and config.progress), unit="step", dynamic_ncols=True)

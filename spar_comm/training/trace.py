@@ -79,7 +79,10 @@ class TraceWriter:
         world = len(hosts)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if resume_step is not None and os.path.exists(path):
-            self.file = h5py.File(path, "a", libver="latest")
+            try:
+                self.file = h5py.File(path, "a", libver="latest")
+            except OSError:  # its writer died: the file stays marked open, so copy what a reader sees
+                self._rebuild(path, world)
             self._truncate(resume_step)
         else:
             self.file = h5py.File(path, "w", libver="latest")
@@ -106,6 +109,15 @@ class TraceWriter:
         f.create_dataset("lr", (0,), dtype="f8", **per_step)
         for name in EVAL:
             f.create_dataset(f"eval/{name}", (0,), dtype="i8" if name == "step" else "f8", maxshape=(None,), chunks=(64,))
+
+    def _rebuild(self, path: str, world: int) -> None:
+        old = read_trace(path)
+        self.file = h5py.File(path + ".tmp", "w", libver="latest")
+        self._create(world, old.attrs, old.hosts)
+        self._extend(old.data)
+        self.file.close()
+        os.replace(path + ".tmp", path)
+        self.file = h5py.File(path, "a", libver="latest")
 
     def _truncate(self, resume_step: int) -> None:
         f = self.file
