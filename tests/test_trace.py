@@ -9,7 +9,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from test_train_mpi import FAST, ROOT, run_train
+from test_train_runs import FAST, ROOT, run_train
 
 from spar_comm.training.trace import EVAL, PHASES, TraceWriter, read_trace
 
