@@ -1,0 +1,273 @@
+"""An emulated multi-node cluster on one Linux machine (root only).
+
+Each emulated host is a network namespace with its own host name, joined by
+a veth pair to a bridge in the root namespace. Both ends of every veth are
+shaped by ``tc`` (a token bucket at the link rate; ``netem`` adds the one-way
+delay on the host's side), so a host's link carries ``rate`` each way.
+MPICH's ``mpiexec`` starts one proxy per host through a launcher script that
+enters the host's namespace; with the OFI netmod over TCP, ranks on different
+hosts talk through the shaped links while ranks on one host share memory, and
+``Split_type(COMM_TYPE_SHARED)`` finds the hosts by itself.
+
+Everything created carries one prefix (namespaces ``<prefix>-h<i>``, bridge
+``<prefix>-br``, root-side veths ``<prefix>-v<i>``) and ``down`` removes it,
+also when a previous run died half-way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+PREFIX = "spc"
+IFACE = "emu0"  # the interface name inside every host, so FI_TCP_IFACE is one value
+SUBNET = "198.18.0"  # 198.18.0.0/15 is set aside for network benchmarks (RFC 2544)
+STATE_ROOT = Path(os.environ.get("SPAR_COMM_EMU_STATE", "/run/spar_comm_emucluster"))
+RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
+DELAY = re.compile(r"^\d+(\.\d+)?(s|ms|us)$")
+# MPICH: TCP between hosts over the shaped links, shared memory inside a host.
+MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE}
+
+
+class EmuClusterError(RuntimeError):
+    """The emulated cluster cannot be made, used or removed; the message says why."""
+
+
+@dataclass
+class ClusterSpec:
+    """What ``up`` builds: ``hosts`` namespaces of ``ranks_per_host`` slots each."""
+
+    hosts: int
+    ranks_per_host: int
+    rate: str = "1gbit"
+    delay: str = "0us"
+    prefix: str = PREFIX
+    addresses: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.hosts <= 200:
+            problems.append(f"hosts must be in 1..200, got {self.hosts}")
+        if self.ranks_per_host < 1:
+            problems.append(f"ranks per host must be >= 1, got {self.ranks_per_host}")
+        if not RATE.match(self.rate):
+            problems.append(f"rate {self.rate!r} is not a tc rate such as 100mbit, 1gbit, 10gbit")
+        if not DELAY.match(self.delay):
+            problems.append(f"delay {self.delay!r} is not a tc time such as 0us, 50us, 1ms")
+        if not re.match(r"^[a-z][a-z0-9]{0,5}$", self.prefix):
+            problems.append(f"prefix {self.prefix!r} must be 1-6 lower-case letters or digits")
+        if problems:
+            raise ValueError("; ".join(problems))
+        if not self.addresses:
+            self.addresses = [f"{SUBNET}.{10 + i}" for i in range(self.hosts)]
+
+    def namespace(self, i: int) -> str:
+        return f"{self.prefix}-h{i}"
+
+    def veth(self, i: int) -> str:
+        return f"{self.prefix}-v{i}"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}-br"
+
+    @property
+    def state_dir(self) -> Path:
+        return STATE_ROOT / self.prefix
+
+
+def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise EmuClusterError(f"`{' '.join(command)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def check_privileges() -> None:
+    """Refuse clearly when this machine cannot host an emulated cluster."""
+    if os.geteuid() != 0:
+        raise EmuClusterError("the emulated cluster needs root (network namespaces, veth, tc)")
+    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    if missing:
+        raise EmuClusterError(f"missing tools: {', '.join(missing)} (Debian: apt-get install iproute2 util-linux)")
+
+
+def available() -> Optional[str]:
+    """None when an emulated cluster can be made here, else the reason it cannot."""
+    try:
+        check_privileges()
+    except EmuClusterError as error:
+        return str(error)
+    probe = f"{PREFIX}probe{os.getpid() % 10000}"
+    made = _run("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"network namespaces do not work here: {made.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def _shape(spec: ClusterSpec, i: int, verb: str = "add") -> None:
+    """Shape both ends of host i's link: rate each way, the delay on the host's side."""
+    burst = _burst_bytes(spec.rate)
+    for where in (("ip", "netns", "exec", spec.namespace(i)), ()):
+        dev = IFACE if where else spec.veth(i)
+        base = (*where, "tc", "qdisc")
+        _run(*base, "del", "dev", dev, "root", check=False)
+        if where and _delay_seconds(spec.delay) > 0:
+            netem = _run(*base, "add", "dev", dev, "root", "handle", "1:", "netem", "delay", spec.delay,
+                         "limit", "100000", check=False)
+            if netem.returncode != 0:
+                raise EmuClusterError(
+                    f"links cannot be given a delay: tc netem failed ({netem.stderr.strip()}); "
+                    "this kernel may lack the sch_netem module. Use --delay 0us"
+                )
+            parent = ("parent", "1:", "handle", "2:")
+        else:
+            parent = ("root", "handle", "2:")
+        _run(*base, "add", "dev", dev, *parent, "tbf", "rate", spec.rate, "burst", str(burst), "latency", "200ms")
+
+
+def _delay_seconds(delay: str) -> float:
+    number, unit = re.match(r"^([\d.]+)(\D+)$", delay).groups()
+    return float(number) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+
+def _burst_bytes(rate: str) -> int:
+    """A bucket that holds about 2 ms of traffic (at least 64 KiB): enough for
+    the timer granularity, small enough to keep the rate honest."""
+    number, unit = re.match(r"^([\d.]+)(\D+)$", rate).groups()
+    scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+             "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}[unit]
+    return max(65536, int(float(number) * scale / 8 * 0.002))
+
+
+def _launcher_script(spec: ClusterSpec) -> str:
+    """The program mpiexec calls instead of ssh: ``SCRIPT -x HOST COMMAND...``.
+    It runs the proxy command inside the namespace that owns HOST, under a host
+    name of its own."""
+    cases = "\n".join(
+        f"  {address}) ns={spec.namespace(i)} name={spec.prefix}-host{i};;" for i, address in enumerate(spec.addresses)
+    )
+    return f"""#!/bin/sh
+# Written by spar_comm.emucluster: mpiexec's launcher for the emulated hosts.
+[ "$1" = "-x" ] && shift
+host=$1; shift
+case $host in
+{cases}
+  *) echo "emucluster: no emulated host has address $host" >&2; exit 1;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && exec $*"
+"""
+
+
+def up(spec: ClusterSpec) -> ClusterSpec:
+    """Build the cluster; on any failure (or Ctrl-C) remove whatever was made."""
+    check_privileges()
+    if existing(spec.prefix):
+        raise EmuClusterError(f"an emulated cluster with prefix {spec.prefix!r} is up already: run `down` first")
+    try:
+        _run("ip", "link", "add", spec.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", spec.bridge)
+        _run("ip", "link", "set", spec.bridge, "up")
+        for i, address in enumerate(spec.addresses):
+            ns = spec.namespace(i)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", spec.veth(i), "type", "veth", "peer", "name", f"{spec.prefix}-p{i}")
+            _run("ip", "link", "set", f"{spec.prefix}-p{i}", "netns", ns)
+            _run("ip", "-n", ns, "link", "set", f"{spec.prefix}-p{i}", "name", IFACE)
+            _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", IFACE)
+            _run("ip", "-n", ns, "link", "set", IFACE, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "set", spec.veth(i), "master", spec.bridge)
+            _run("ip", "link", "set", spec.veth(i), "up")
+            _shape(spec, i)
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        script = spec.state_dir / "launch.sh"
+        script.write_text(_launcher_script(spec))
+        script.chmod(0o755)
+        (spec.state_dir / "cluster.json").write_text(json.dumps(asdict(spec), indent=1))
+    except BaseException:
+        down(spec.prefix)
+        raise
+    return spec
+
+
+def reshape(spec: ClusterSpec, rate: str, delay: str) -> ClusterSpec:
+    """Change every link's rate and delay in place."""
+    spec = ClusterSpec(spec.hosts, spec.ranks_per_host, rate, delay, spec.prefix, spec.addresses)
+    for i in range(spec.hosts):
+        _shape(spec, i)
+    (spec.state_dir / "cluster.json").write_text(json.dumps(asdict(spec), indent=1))
+    return spec
+
+
+def existing(prefix: str = PREFIX) -> Dict[str, List[str]]:
+    """What carries the prefix now: namespaces and links (empty when nothing)."""
+    found: Dict[str, List[str]] = {}
+    namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line]
+    found_ns = [ns for ns in namespaces if ns.startswith(prefix + "-")]
+    links = re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", "show", check=False).stdout, re.M)
+    found_links = [link for link in links if link.startswith(prefix + "-")]
+    if found_ns:
+        found["namespaces"] = sorted(found_ns)
+    if found_links:
+        found["links"] = sorted(found_links)
+    return found
+
+
+def down(prefix: str = PREFIX) -> List[str]:
+    """Remove every namespace and link with the prefix, and the state; returns what went."""
+    removed: List[str] = []
+    for _ in range(50):  # namespace deletion frees its veth asynchronously
+        found = existing(prefix)
+        if not found:
+            break
+        for ns in found.get("namespaces", []):
+            if _run("ip", "netns", "del", ns, check=False).returncode == 0:
+                removed.append(ns)
+        for link in found.get("links", []):
+            if _run("ip", "link", "del", link, check=False).returncode == 0:
+                removed.append(link)
+        time.sleep(0.1)
+    left = existing(prefix)
+    shutil.rmtree(STATE_ROOT / prefix, ignore_errors=True)
+    if left:
+        raise EmuClusterError(f"could not remove {left}")
+    return removed
+
+
+def load(prefix: str = PREFIX) -> ClusterSpec:
+    """The cluster that ``up`` made, from its state file."""
+    path = STATE_ROOT / prefix / "cluster.json"
+    if not path.exists():
+        raise EmuClusterError(f"no emulated cluster with prefix {prefix!r} is up (no {path}): run `up` first")
+    return ClusterSpec(**json.loads(path.read_text()))
+
+
+def link_counters(spec: ClusterSpec) -> List[Dict[str, int]]:
+    """Bytes each host sent and received on its link, from the interface counters."""
+    counters = []
+    for i in range(spec.hosts):
+        stats = json.loads(_run("ip", "-n", spec.namespace(i), "-j", "-s", "link", "show", IFACE).stdout)[0]
+        counters.append({"tx_bytes": stats["stats64"]["tx"]["bytes"], "rx_bytes": stats["stats64"]["rx"]["bytes"]})
+    return counters
+
+
+def mpiexec_command(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional[str] = None,
+                    ranks: Optional[int] = None) -> List[str]:
+    """``mpiexec`` across the emulated hosts, ``ranks_per_host`` on each by default."""
+    mpiexec = mpiexec or shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+    hosts = ",".join(f"{address}:{spec.ranks_per_host}" for address in spec.addresses)
+    env = [arg for name, value in MPI_ENV.items() for arg in ("-genv", name, value)]
+    return [
+        mpiexec, "-launcher", "ssh", "-launcher-exec", str(spec.state_dir / "launch.sh"),
+        "-hosts", hosts, "-iface", spec.bridge, "-n", str(ranks or spec.hosts * spec.ranks_per_host),
+        *env, *command,
+    ]

@@ -1,0 +1,99 @@
+"""The emulated cluster, where this machine allows it (root, network
+namespaces); skipped cleanly elsewhere."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from spar_comm import emucluster
+
+REASON = emucluster.available()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+PREFIX = "spt"  # not the default, so a user's own cluster is never touched
+
+
+@pytest.fixture
+def cluster():
+    emucluster.down(PREFIX)
+    spec = emucluster.up(emucluster.ClusterSpec(2, 2, "1gbit", "0us", PREFIX))
+    try:
+        yield spec
+    finally:
+        emucluster.down(PREFIX)
+    assert not emucluster.existing(PREFIX)
+
+
+@needs_netns
+def test_inter_host_bytes_cross_the_shaped_links(cluster):
+    """hier_dense at 2 hosts x 2 ranks: the rail Allreduce between two ranks is
+    the only traffic between hosts, and what .last counts for it must match what
+    the interfaces counted within 10% (TCP/IP headers and acknowledgements)."""
+    size, calls = 1 << 20, 4
+    before = emucluster.link_counters(cluster)
+    command = emucluster.mpiexec_command(
+        cluster, [sys.executable, str(ROOT / "tests" / "emu_bytes_probe.py"), "hier_dense", str(size), str(calls)]
+    )
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    after = emucluster.link_counters(cluster)
+    sent = sum(a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before))
+    assert report["num_nodes"] == 2 and len(report["hosts"]) == 2, report
+    assert report["bytes_inter"] == calls * 4 * size * 4 // 2  # 4 ranks, each half of its shard twice
+    print(f"interfaces sent {sent:,} B; .last counted {report['bytes_inter']:,} B")
+    assert abs(sent - report["bytes_inter"]) <= 0.10 * report["bytes_inter"], (sent, report)
+
+
+@needs_netns
+def test_links_are_shaped_and_reshaped(cluster):
+    qdiscs = subprocess.run(["ip", "netns", "exec", cluster.namespace(0), "tc", "qdisc", "show", "dev",
+                             emucluster.IFACE], capture_output=True, text=True).stdout
+    assert "tbf" in qdiscs and "rate 1Gbit" in qdiscs
+    spec = emucluster.reshape(cluster, "100mbit", "0us")
+    qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", spec.veth(1)], capture_output=True, text=True).stdout
+    assert "rate 100Mbit" in qdiscs
+
+
+@needs_netns
+def test_a_failed_up_leaves_nothing_behind(monkeypatch):
+    emucluster.down(PREFIX)
+
+    def broken(spec, i, verb="add"):
+        raise emucluster.EmuClusterError("injected failure")
+
+    monkeypatch.setattr(emucluster, "_shape", broken)
+    with pytest.raises(emucluster.EmuClusterError, match="injected"):
+        emucluster.up(emucluster.ClusterSpec(2, 1, "1gbit", "0us", PREFIX))
+    assert not emucluster.existing(PREFIX)
+
+
+def test_refuses_without_root(monkeypatch):
+    monkeypatch.setattr(emucluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(emucluster.EmuClusterError, match="needs root"):
+        emucluster.up(emucluster.ClusterSpec(2, 1))
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (dict(hosts=0, ranks_per_host=1), "hosts must be"),
+        (dict(hosts=2, ranks_per_host=0), "ranks per host"),
+        (dict(hosts=2, ranks_per_host=1, rate="fast"), "not a tc rate"),
+        (dict(hosts=2, ranks_per_host=1, delay="5"), "not a tc time"),
+        (dict(hosts=2, ranks_per_host=1, prefix="Bad-Name"), "prefix"),
+    ],
+)
+def test_bad_specs(settings, words):
+    with pytest.raises(ValueError, match=words):
+        emucluster.ClusterSpec(**settings)
+
+
+def test_driver_reports_bad_input_with_status_2(run_driver):
+    result = run_driver("emucluster.py", "up", "--hosts", "0")
+    assert result.returncode == 2 and "hosts must be" in result.stderr
+    result = run_driver("emucluster.py", "run")
+    assert result.returncode == 2 and "run needs a command" in result.stderr
