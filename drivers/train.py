@@ -78,7 +78,7 @@ def make_parser() -> RankZeroParser:
     run.add_argument("--checkpoint-every", type=int, default=0, help="also save every this many steps")
     run.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     run.add_argument("--stop-after", type=int, help="stop with a checkpoint once this many steps are done")
-    run.add_argument("--time-limit", type=float, help="stop with a checkpoint after this many seconds")
+    run.add_argument("--time-limit", type=float, help="stop with a checkpoint once training has run this many seconds")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

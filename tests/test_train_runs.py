@@ -95,8 +95,9 @@ def test_bad_input_exits_2_with_one_message_and_keeps_the_trace(tmp_path, args, 
     assert trace.read_bytes() == b"an earlier run's trace"
 
 
-def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
-    wrapper = tmp_path / "fail_on_rank1.py"
+def failing_job(folder: Path, rank: int, call: int, args: List[str]) -> Path:
+    """A wrapper of train.py whose ``rank`` raises in its ``call``-th gradient."""
+    wrapper = folder / "failing_train.py"
     wrapper.write_text(
         "import runpy, sys\n"
         "from mpi4py import MPI\n"
@@ -105,17 +106,40 @@ def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
         "calls = [0]\n"
         "def failing(self, params, batch):\n"
         "    calls[0] += 1\n"
-        "    if MPI.COMM_WORLD.rank == 1 and calls[0] == 5:\n"
+        f"    if MPI.COMM_WORLD.rank == {rank} and calls[0] == {call}:\n"
         "        raise RuntimeError('injected failure')\n"
         "    return original(self, params, batch)\n"
         "models.MLP.loss_and_grad = failing\n"
-        f"sys.argv = ['train.py'] + {[*FAST, '--trace', '', '--steps', '50']!r}\n"
+        f"sys.argv = ['train.py'] + {args!r}\n"
         "runpy.run_path('drivers/train.py', run_name='__main__')\n"
     )
+    return wrapper
+
+
+def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
+    wrapper = failing_job(tmp_path, rank=1, call=5, args=[*FAST, "--trace", "", "--steps", "50"])
     result = run_train(3, [], script=str(wrapper))
     assert result.returncode != 0
     assert result.stderr.count("RuntimeError: injected failure") == 1, result.stderr
     assert "rank 1 failed" in result.stderr
+
+
+def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path):
+    common = [*FAST, "--steps", "40", "--ranks-per-node", "1"]
+    full = run_train(2, [*common, "--trace", "", "--checkpoint", str(tmp_path / "full.h5")])
+    assert full.returncode == 0, full.stderr
+    ckpt, trace = str(tmp_path / "c.h5"), str(tmp_path / "t.h5")
+    args = [*common, "--checkpoint", ckpt, "--checkpoint-every", "15", "--trace", trace]
+    crashed = run_train(2, [], script=str(failing_job(tmp_path, rank=0, call=23, args=args)))
+    assert crashed.returncode != 0
+    with h5py.File(ckpt) as f:
+        assert f.attrs["step"] == 15
+    resumed = run_train(2, [*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = datasets(tmp_path / "full.h5"), datasets(Path(ckpt))
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    assert np.array_equal(read_trace(trace).data["step"], np.arange(40))
 
 
 def test_sigusr1_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):

@@ -138,7 +138,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
 
     # -- the loop ------------------------------------------------------------------------
     began = time.perf_counter()
-    loss_sum, loss_count, accuracy, evaluated_at, reason = 0.0, 0, float("nan"), -1, 0
+    loss_sum, loss_count, reason = 0.0, 0, 0
+    accuracy, train_loss, evaluated_at = float("nan"), float("nan"), -1
     step = start
     while step < total and not reason:
         t0 = time.perf_counter()
@@ -172,6 +173,9 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
                 writer.add_eval(step=step, epoch=step / shards.steps_per_epoch, train_loss=train_loss,
                                 test_metric=accuracy, wall=time.perf_counter() - began)
             bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{accuracy:.4f}")
+        if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total and not reason:
+            recorder.flush()  # the trace then holds every step the checkpoint covers
+            save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards)
     wall = time.perf_counter() - began
     recorder.flush()
     bar.close()
@@ -188,7 +192,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
     if rank0:
         per_step = recorder.totals.mean(axis=0) / max(recorder.steps_gathered, 1)
         summary = Summary(
-            steps=step, total_steps=total, test_metric=accuracy, train_loss=recorder.last_loss, wall=wall,
+            steps=step, total_steps=total, test_metric=accuracy, train_loss=train_loss, wall=wall,
             steps_per_s=(step - start) / wall if wall > 0 else 0.0, step_s=per_step[COLUMN["step"]],
             comm_s=per_step[COLUMN["comm_intra"]] + per_step[COLUMN["comm_inter"]],
             select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,

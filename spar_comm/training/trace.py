@@ -40,7 +40,6 @@ class StepRecorder:
         self.recv = np.zeros(comm.size * every * len(FIELDS)) if root else None
         self.totals = np.zeros((comm.size, len(FIELDS))) if root else None
         self.steps_gathered = 0
-        self.last_loss = float("nan")
 
     def record(self, step: int, values: Dict[str, float]) -> None:
         """Keep one step's figures; gather (a collective) when the buffer is full."""
@@ -66,7 +65,6 @@ class StepRecorder:
         block = np.ascontiguousarray(recv.transpose(1, 0, 2))  # [step, rank, field]
         self.totals += block.sum(axis=0)
         self.steps_gathered += n
-        self.last_loss = float(block[-1, :, COLUMN["loss"]].mean())
         if self.writer is not None:
             self.writer.append(self.steps[:n], block)
 
