@@ -1,0 +1,109 @@
+"""The six allreducers, step by step, as model terms.
+
+Each function mirrors its module in ``spar_comm.collectives``: the MPI calls
+it makes (costed by ``mpi.py``), the local memory passes it makes over the
+vector (``gamma`` per byte: residual add, copies, zero fills, scatter-adds,
+the final average) and the elements its selector scans. Every call also pays
+the fixed ``overhead`` and the gradient check, a world Allgather of 4 bytes.
+
+Selection happens on every rank in parallel, so a step pays one rank's
+selection. Sizes of shards and of k follow ``selection_size`` exactly.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict
+
+import numpy as np
+
+from ..collectives.base import selection_size
+from . import mpi
+from .machine import Cluster
+from .mpi import Span, Terms
+
+INDEX_BYTES = 4
+
+
+def pair_bytes(k: int, itemsize: int) -> int:
+    """Bytes of a record of k (index, value) pairs, each part padded to 8 bytes."""
+    up8 = lambda nbytes: -(-nbytes // 8) * 8  # noqa: E731
+    return up8(k * itemsize) + up8(k * INDEX_BYTES)
+
+
+class Shape:
+    """One allreduce problem: the cluster, the vector and the selection."""
+
+    def __init__(self, cluster: Cluster, size: int, itemsize: int, density: float, selector: str):
+        self.nodes, self.g, self.p = cluster.nodes, cluster.ranks_per_node, cluster.ranks
+        self.n, self.s = size, itemsize
+        self.nbytes = size * itemsize
+        self.density, self.selector = density, selector
+        self.world = Span(self.nodes, self.g)
+        self.local = Span(1, self.g)
+        self.rails = Span(self.nodes, 1, concurrent=self.g)  # one rail per local rank, all at once
+        self.leaders = Span(self.nodes, 1)
+
+    def select(self, elements: float) -> Terms:
+        return Terms({f"select:{self.selector}": elements})
+
+    def pairs(self, k: int) -> int:
+        return pair_bytes(k, self.s)
+
+
+def dense(x: Shape) -> Terms:
+    return Terms(gamma=x.nbytes) + mpi.allreduce(x.world, x.nbytes)  # copy, then Allreduce
+
+
+def hier_dense(x: Shape) -> Terms:
+    shard = x.nbytes / x.g
+    return mpi.reduce_scatter(x.local, x.nbytes) + mpi.allreduce(x.rails, shard) + mpi.allgather(x.local, shard)
+
+
+def topka(x: Shape) -> Terms:
+    k = selection_size(x.density, x.n)
+    local = Terms(gamma=2 * x.nbytes + x.p * x.pairs(k))  # residual add, zero fill, scatter-add
+    return local + x.select(x.n) + mpi.allgather(x.world, x.pairs(k))
+
+
+def gtopk(x: Shape) -> Terms:
+    k = selection_size(x.density, x.n)
+    terms = Terms(gamma=2 * x.nbytes) + x.select(x.n)  # residual add, zero fill of the output
+    for i in range(x.world.steps):  # the root's path up the binomial tree: receive and merge
+        mpi.message(terms, x.world, x.pairs(k), x.world.crosses(2**i))
+        terms["gamma"] += 2 * x.pairs(k)
+    return terms + mpi.bcast(x.world, x.pairs(k))
+
+
+def hitopk(x: Shape) -> Terms:
+    shard = math.ceil(x.n / x.g)
+    k = selection_size(x.density, shard)
+    nonzero = min(x.nodes * k, shard)  # distinct indices after the rail exchange, at most
+    sparse_block = x.pairs(nonzero)
+    terms = mpi.reduce_scatter(x.local, x.nbytes) + x.select(shard)
+    terms["gamma"] += 3 * shard * x.s + x.nodes * x.pairs(k) + x.nbytes  # residual, zero fill, scatter, output
+    terms += mpi.allgather(x.rails, x.pairs(k))
+    if x.g > 1:
+        terms += mpi.allgather(x.local, 8)  # nonzero counts
+        terms += mpi.allgather(x.local, min(sparse_block, shard * x.s))  # sparse or dense, the smaller
+    return terms
+
+
+def hitopk_leader(x: Shape) -> Terms:
+    k = selection_size(x.density, x.n)
+    terms = mpi.reduce(x.local, x.nbytes) + x.select(x.n)
+    terms["gamma"] += 2 * x.nbytes + x.nodes * x.pairs(k)  # residual add, zero fill, scatter-add
+    return terms + mpi.allgather(x.leaders, x.pairs(k)) + mpi.bcast(x.local, x.nbytes)
+
+
+#: Algorithm name -> its step terms, in the order of spar_comm.ALGORITHMS.
+STEPS: Dict[str, Callable[[Shape], Terms]] = {
+    f.__name__: f for f in (dense, hier_dense, topka, gtopk, hitopk, hitopk_leader)
+}
+
+
+def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float32",
+               density: float = 0.001, selector: str = "mstopk") -> Terms:
+    """All the terms of one allreduce call of ``algorithm``."""
+    x = Shape(cluster, size, np.dtype(dtype).itemsize, density, selector)
+    common = Terms(overhead=1, gamma=x.nbytes) + mpi.allgather(x.world, 4)  # check, final average
+    return common + STEPS[algorithm](x)

@@ -1,0 +1,221 @@
+"""Machine figures from this package's own measurements.
+
+Three kinds of JSON file are understood:
+
+* ``bench_comm.py`` output: every algorithm timed at several sizes on one
+  cluster shape. Selection time per element comes from the measured
+  ``t_select`` (in context: caches and rank contention as in a real step);
+  the remaining link and memory figures are fitted to ``time_median`` minus
+  the selection, by non-negative least squares on relative errors, so that
+  small and large sizes weigh alike. Repeated runs of one setting are pooled
+  by their median.
+* ``bench_topk.py`` output: selection time per element of every selector
+  (the median over its records), for selectors ``bench_comm`` did not run.
+* a calibration written by ``save`` (``predict.py fit``): the figures as is.
+
+A figure the files cannot determine (say inter-node terms from a one-node
+run) keeps the value of the ``base`` machine.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from statistics import median
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..kernels import SELECTORS
+from .algorithms import STEPS, step_terms
+from .machine import CPU, LINK_TERMS, Cluster, Machine
+
+TOOL = "spar_comm.costmodel"
+#: Rounds of reweighting by the predicted time (see ``fit``).
+REWEIGHTS = 8
+
+
+class CalibrationError(ValueError):
+    """A calibration input that cannot be used: unreadable, foreign or empty."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One bench_comm row: an algorithm's median step time on a cluster shape."""
+
+    cluster: Cluster
+    algorithm: str
+    size: int
+    dtype: str
+    density: float
+    selector: str
+    seconds: float
+    select_seconds: float
+
+    def terms(self):
+        return step_terms(self.algorithm, self.cluster, self.size, self.dtype, self.density, self.selector)
+
+
+def read(path: str) -> Tuple[str, dict]:
+    """(kind, document) of a calibration input; kind is bench_comm, bench_topk or calibration."""
+    try:
+        with open(path) as stream:
+            document = json.load(stream)
+    except (OSError, UnicodeDecodeError) as error:
+        raise CalibrationError(f"cannot read {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise CalibrationError(f"{path} is not JSON: {error}") from None
+    if isinstance(document, dict):
+        if document.get("tool") == TOOL and isinstance(document.get("machine"), dict):
+            return "calibration", document
+        if isinstance(document.get("meta"), dict) and isinstance(document.get("results"), list):
+            return "bench_comm", document
+        if isinstance(document.get("machine"), dict) and isinstance(document.get("records"), list):
+            return "bench_topk", document
+    raise CalibrationError(
+        f"{path} is neither bench_comm.py nor bench_topk.py output nor a calibration from 'predict.py fit'"
+    )
+
+
+def measurements(document: dict, path: str = "bench_comm JSON") -> List[Measurement]:
+    """The rows of a bench_comm document, checked."""
+    try:
+        meta = document["meta"]
+        nodes, per_node = int(meta["num_nodes"]), int(meta["ranks_per_node"])
+        if len(set(meta.get("node_sizes", [per_node]))) != 1:
+            raise CalibrationError(f"{path}: nodes of unequal size cannot be fitted")
+        cluster = Cluster(nodes, per_node)
+        rows = [
+            Measurement(cluster, str(r["algorithm"]), int(r["size"]), str(meta["dtype"]), float(meta["density"]),
+                        str(meta["selector"]), float(r["time_median"]), float(r["t_select"]))
+            for r in document["results"]
+        ]
+    except (KeyError, TypeError, ValueError) as error:
+        if isinstance(error, CalibrationError):
+            raise
+        raise CalibrationError(f"{path}: malformed bench_comm JSON ({type(error).__name__}: {error})") from None
+    for row in rows:
+        if row.algorithm not in STEPS or row.selector not in SELECTORS or row.size < 1 or not row.seconds > 0:
+            raise CalibrationError(f"{path}: a row the model does not know: {row}")
+    return rows
+
+
+def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, float]:
+    """Seconds per element of every selector in a bench_topk document."""
+    per_method: Dict[str, List[float]] = {}
+    try:
+        for record in document["records"]:
+            if record["method"] in SELECTORS:
+                per_method.setdefault(record["method"], []).append(float(record["median_s"]) / int(record["n"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise CalibrationError(f"{path}: malformed bench_topk JSON ({type(error).__name__}: {error})") from None
+    if not per_method:
+        raise CalibrationError(f"{path}: no records of a known selector")
+    return {method: median(rates) for method, rates in per_method.items()}
+
+
+def in_context_rates(rows: Sequence[Measurement]) -> Dict[str, float]:
+    """Selection seconds per element from bench_comm's t_select. gtopk is left
+    out: its t_select also holds the merges up the tree."""
+    per_selector: Dict[str, List[float]] = {}
+    for row in rows:
+        if row.algorithm in ("topka", "hitopk", "hitopk_leader") and row.select_seconds > 0:
+            elements = row.terms()[f"select:{row.selector}"]
+            per_selector.setdefault(row.selector, []).append(row.select_seconds / elements)
+    return {selector: median(rates) for selector, rates in per_selector.items()}
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min |a x - b| subject to x >= 0, by dropping negative coefficients and
+    solving again until none is left (an active-set method for few columns)."""
+    free = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while free:
+        solution, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if (solution >= 0).all():
+            x[free] = solution
+            break
+        free = [column for column, value in zip(free, solution) if value > 0]
+    return x
+
+
+def fit(rows: Sequence[Measurement], base: Machine = CPU, rates: Optional[Mapping[str, float]] = None) -> Machine:
+    """The machine that best explains ``rows`` (see the module docstring).
+
+    ``rates`` are selection figures to start from (e.g. from bench_topk);
+    the in-context rates of ``rows`` take precedence over them.
+    """
+    if not rows:
+        raise CalibrationError("no measurements to fit")
+    select = {**base.select, **(rates or {}), **in_context_rates(rows)}
+    machine = base.replace(select=select)
+    rows = pooled(rows)
+    terms = [row.terms() for row in rows]
+    seconds = np.array([row.seconds for row in rows])
+    select_only = np.array([machine.seconds({t: a for t, a in ts.items() if t.startswith("select:")}) for ts in terms])
+    features = np.array([[ts.get(name, 0.0) for name in LINK_TERMS] for ts in terms])
+    known = [j for j in range(len(LINK_TERMS)) if features[:, j].any()]
+    a, b = features[:, known], seconds - select_only
+    scale = a.max(axis=0)  # columns of messages and of bytes differ by orders of magnitude
+    # Residuals relative to the prediction (iteratively reweighted): close to a
+    # fit of log(predicted/measured), so a few outliers far below the rest
+    # (bimodal timings of oversubscribed ranks) do not drag the fit down.
+    weights = 1 / seconds
+    for _ in range(REWEIGHTS):
+        solution = nonnegative_lstsq(a / scale * weights[:, None], b * weights) / scale
+        weights = 1 / np.maximum(a @ solution + select_only, seconds.min() / 10)
+    return machine.replace(**{LINK_TERMS[j]: float(value) for j, value in zip(known, solution)})
+
+
+def pooled(rows: Sequence[Measurement]) -> List[Measurement]:
+    """One row per distinct setting: the median over repeated runs of it."""
+    groups: Dict[tuple, List[Measurement]] = {}
+    for row in rows:
+        groups.setdefault((row.cluster, row.algorithm, row.size, row.dtype, row.density, row.selector), []).append(row)
+    return [
+        replace(group[0], seconds=median(r.seconds for r in group), select_seconds=median(r.select_seconds for r in group))
+        for group in groups.values()
+    ]
+
+
+def relative_errors(machine: Machine, rows: Iterable[Measurement]) -> List[Tuple[Measurement, float, float]]:
+    """(row, predicted seconds, |predicted - measured| / measured) of each row."""
+    result = []
+    for row in rows:
+        predicted = machine.seconds(row.terms())
+        result.append((row, predicted, abs(predicted - row.seconds) / row.seconds))
+    return result
+
+
+def load(paths: Sequence[str], base: Machine = CPU) -> Machine:
+    """The machine described by calibration inputs, in order: a calibration
+    file sets every figure, bench_topk files set selection rates, and all
+    bench_comm files together are fitted last, on top of those."""
+    machine, rates, rows = base, {}, []
+    for path in paths:
+        kind, document = read(path)
+        if kind == "calibration":
+            try:
+                machine = Machine.from_dict(document["machine"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise CalibrationError(f"{path}: malformed calibration ({type(error).__name__}: {error})") from None
+        elif kind == "bench_topk":
+            rates.update(topk_rates(document, path))
+        else:
+            rows.extend(measurements(document, path))
+    if rows:
+        return fit(rows, machine, rates)
+    return machine.replace(select={**machine.select, **rates})
+
+
+def save(path: str, machine: Machine, sources: Sequence[str], rows: Sequence[Measurement]) -> None:
+    """Write a calibration file that ``load`` reads back."""
+    errors = [error for _, _, error in relative_errors(machine, rows)]
+    document = {
+        "tool": TOOL,
+        "machine": machine.to_dict(),
+        "fitted_on": list(sources),
+        "rows": len(rows),
+        "median_relative_error": median(errors) if errors else None,
+    }
+    with open(path, "w") as stream:
+        json.dump(document, stream, indent=1)

@@ -1,0 +1,133 @@
+"""What the model knows about a machine and a cluster shape.
+
+A ``Machine`` holds the alpha-beta-gamma figures: latency and inverse
+bandwidth inside a node and across nodes, the cost of one local memory pass
+per byte (reductions, copies, scatter-adds), the selection time per element
+of every top-k method, and a fixed software overhead per allreduce call. A
+``Cluster`` is the shape: nodes and ranks per node.
+
+``beta_inter`` is the inverse bandwidth of a node's *network link*: flows
+that leave a node at the same time share it (see ``mpi.py``). ``beta_intra``
+is the inverse bandwidth one rank gets to another rank of its node.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Mapping
+
+#: The linear coefficients of the model, in the order of a fitted vector.
+LINK_TERMS = ("overhead", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma")
+
+
+def gbps_to_beta(gbps: float) -> float:
+    """Seconds per byte of a link of ``gbps`` Gbit/s."""
+    return 8.0 / (gbps * 1e9)
+
+
+def beta_to_gbps(beta: float) -> float:
+    return 8.0 / (beta * 1e9) if beta > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``ranks_per_node`` ranks (one rank per GPU or process)."""
+
+    nodes: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Alpha-beta-gamma figures in seconds, seconds per byte, seconds per element."""
+
+    overhead: float
+    alpha_intra: float
+    beta_intra: float
+    alpha_inter: float
+    beta_inter: float
+    gamma: float
+    #: seconds per element scanned, by selector name
+    select: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in LINK_TERMS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name, value in self.select.items():
+            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"selection time of {name!r} must be a finite number >= 0, got {value!r}")
+
+    def seconds(self, terms: Mapping[str, float]) -> float:
+        """The time of ``terms`` (see ``mpi.py``): each amount times its figure."""
+        total = 0.0
+        for term, amount in terms.items():
+            if term.startswith("select:"):
+                total += amount * self.select[term[len("select:"):]]
+            else:
+                total += amount * getattr(self, term)
+        return total
+
+    def replace(self, **changes) -> "Machine":
+        return dataclasses.replace(self, **changes)
+
+    def with_links(self, inter_gbps: float | None = None, intra_gbps: float | None = None) -> "Machine":
+        """This machine with the given link speeds (None keeps a figure)."""
+        changes = {}
+        if inter_gbps is not None:
+            changes["beta_inter"] = gbps_to_beta(inter_gbps)
+        if intra_gbps is not None:
+            changes["beta_intra"] = gbps_to_beta(intra_gbps)
+        return self.replace(**changes)
+
+    def to_dict(self) -> Dict[str, object]:
+        return {**{name: getattr(self, name) for name in LINK_TERMS}, "select": dict(self.select)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> "Machine":
+        """Raises KeyError/TypeError/ValueError on a malformed mapping."""
+        select = data["select"]
+        if not isinstance(select, Mapping):
+            raise TypeError("select must be a mapping of selector name to seconds per element")
+        return cls(**{name: data[name] for name in LINK_TERMS}, select=dict(select))
+
+
+#: A GPU cluster as the README predictions assume it: NVLink-class links
+#: inside a node, a public-cloud network between nodes (the link speeds are
+#: meant to be overridden), HBM-speed memory passes, and selection rates of
+#: GPU kernels (MSTopK: ~30 counting passes at ~1 TB/s; exact top-k by sort).
+GPU = Machine(
+    overhead=20e-6,
+    alpha_intra=3e-6,
+    beta_intra=gbps_to_beta(1200),
+    alpha_inter=15e-6,
+    beta_inter=gbps_to_beta(25),
+    gamma=5e-12,
+    select={"mstopk": 5e-11, "threshold": 5e-11, "threshold_warm": 3e-11, "exact": 4e-10},
+)
+
+#: A CPU cluster running this package's NumPy kernels: shared memory inside a
+#: node, 25 Gbit/s TCP between nodes, and host selection rates of the order
+#: bench_topk.py measures on one core.
+CPU = Machine(
+    overhead=50e-6,
+    alpha_intra=2e-6,
+    beta_intra=gbps_to_beta(80),
+    alpha_inter=30e-6,
+    beta_inter=gbps_to_beta(25),
+    gamma=2e-10,
+    select={"mstopk": 4e-10, "threshold": 2e-10, "threshold_warm": 1.8e-10, "exact": 2e-9},
+)
+
+PRESETS: Dict[str, Machine] = {"gpu": GPU, "cpu": CPU}

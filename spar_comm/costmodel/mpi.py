@@ -1,0 +1,177 @@
+"""The cost of MPI collectives as MPICH runs them, counted in model terms.
+
+A cost is a ``Terms`` mapping from a term name of ``machine.LINK_TERMS`` (or
+``select:<method>``) to its amount: messages for ``alpha_*``, bytes for
+``beta_*`` and ``gamma``, elements for ``select:*``. Time is the dot product
+with a ``Machine`` (``Machine.seconds``); because the model is linear in the machine's figures,
+fitting them to measurements is a least-squares problem (``calibrate.py``).
+
+Ranks are numbered node by node, as MPI launchers place them. A step whose
+partner lies on another node is an inter-node message; when several ranks
+of a node send across at once they share the node's link, so such a step
+costs ``alpha_inter + flows * bytes * beta_inter``. A step of a ring that
+has both kinds of edge is paced by its inter-node edge.
+
+Algorithm choice follows MPICH's long-standing defaults (CVARs in brackets):
+
+| collective | short (bytes) | algorithm | long |
+| --- | --- | --- | --- |
+| Allreduce | <= 2048 [ALLREDUCE_SHORT_MSG_SIZE] | recursive doubling | Rabenseifner: reduce-scatter by recursive halving, nearest partner first, then allgather |
+| Reduce_scatter | < 524288 [REDSCAT_COMMUTATIVE_LONG_MSG_SIZE] | recursive halving, farthest partner first | pairwise exchange |
+| Allgather | total < 524288 [ALLGATHER_LONG_MSG_SIZE] | recursive doubling | ring |
+| Bcast | < 12288 or < 8 ranks [BCAST_SHORT_MSG_SIZE, BCAST_MIN_PROCS] | binomial tree | scatter + ring allgather |
+| Reduce | <= 2048 [REDUCE_SHORT_MSG_SIZE] | binomial tree | Rabenseifner: reduce-scatter by recursive halving + binomial gather |
+
+Counts of ranks that are not powers of two are costed with ceil(log2 p)
+steps of the halving/doubling schedules.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+ALLREDUCE_SHORT = 2048
+REDSCAT_LONG = 524288
+ALLGATHER_LONG = 524288
+BCAST_SHORT = 12288
+BCAST_MIN_PROCS = 8
+REDUCE_SHORT = 2048
+
+
+class Terms(Counter):
+    """Amounts of each model term (``+`` of two gives a plain Counter, which
+    serves as well); ``Machine.seconds`` prices them."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """The ranks of one communicator: ``nodes`` nodes of ``per_node`` consecutive
+    ranks, and ``concurrent`` such communicators using every node's link at
+    the same time (the rails of a hierarchical algorithm)."""
+
+    nodes: int
+    per_node: int
+    concurrent: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def steps(self) -> int:
+        """Steps of a halving, doubling or binomial schedule."""
+        return math.ceil(math.log2(self.size)) if self.size > 1 else 0
+
+    def crosses(self, distance: int) -> bool:
+        """Whether a partner ``distance`` ranks away is on another node."""
+        return self.nodes > 1 and distance >= self.per_node
+
+
+def message(terms: Terms, span: Span, nbytes: float, inter: bool, flows: int = 1) -> None:
+    """One step that sends ``nbytes``; ``flows`` of the node's senders share its link."""
+    if inter:
+        terms["alpha_inter"] += 1
+        terms["beta_inter"] += flows * nbytes
+    else:
+        terms["alpha_intra"] += 1
+        terms["beta_intra"] += nbytes
+
+
+def _butterfly(terms: Terms, span: Span, sizes, distances, reduce: bool) -> None:
+    """Recursive halving or doubling: every rank exchanges ``sizes[i]`` bytes
+    with the partner ``distances[i]`` away; all ranks of a node send at once."""
+    for nbytes, distance in zip(sizes, distances):
+        message(terms, span, nbytes, span.crosses(distance), span.per_node * span.concurrent)
+        if reduce:
+            terms["gamma"] += nbytes
+
+
+def _binomial(terms: Terms, span: Span, sizes, reduce: bool) -> None:
+    """A binomial tree; in a step across nodes one rank of a node sends."""
+    for i, nbytes in enumerate(sizes):
+        message(terms, span, nbytes, span.crosses(2**i), span.concurrent)
+        if reduce:
+            terms["gamma"] += nbytes
+
+
+def _ring(terms: Terms, span: Span, block: float) -> None:
+    """size-1 steps of one block; a node's boundary edge paces each step."""
+    for _ in range(span.size - 1):
+        message(terms, span, block, span.nodes > 1, span.concurrent)
+
+
+def _halving(nbytes: float, steps: int):
+    return [nbytes / 2 ** (i + 1) for i in range(steps)]
+
+
+def allreduce(span: Span, nbytes: float) -> Terms:
+    terms = Terms()
+    p, steps = span.size, span.steps
+    if p == 1:
+        return terms
+    near_first = [2**i for i in range(steps)]
+    if nbytes <= ALLREDUCE_SHORT:
+        _butterfly(terms, span, [nbytes] * steps, near_first, reduce=True)
+    else:
+        sizes = _halving(nbytes, steps)
+        _butterfly(terms, span, sizes, near_first, reduce=True)   # reduce-scatter
+        _butterfly(terms, span, sizes, near_first, reduce=False)  # allgather
+    return terms
+
+
+def reduce_scatter(span: Span, nbytes: float) -> Terms:
+    """``nbytes`` is the whole vector each rank contributes."""
+    terms = Terms()
+    p, steps = span.size, span.steps
+    if p == 1:
+        return terms
+    if nbytes < REDSCAT_LONG:
+        far_first = [2 ** (steps - 1 - i) for i in range(steps)]
+        _butterfly(terms, span, _halving(nbytes, steps), far_first, reduce=True)
+        return terms
+    # pairwise exchange: step i sends one block to the rank i away
+    for distance in range(1, p):
+        message(terms, span, nbytes / p, span.crosses(distance), span.per_node * span.concurrent)
+        terms["gamma"] += nbytes / p
+    return terms
+
+
+def allgather(span: Span, block: float) -> Terms:
+    """Every rank contributes ``block`` bytes."""
+    terms = Terms()
+    p, steps = span.size, span.steps
+    if p == 1:
+        return terms
+    if p * block < ALLGATHER_LONG:
+        _butterfly(terms, span, [block * 2**i for i in range(steps)], [2**i for i in range(steps)], reduce=False)
+    else:
+        _ring(terms, span, block)
+    return terms
+
+
+def bcast(span: Span, nbytes: float) -> Terms:
+    terms = Terms()
+    p = span.size
+    if p == 1:
+        return terms
+    if nbytes < BCAST_SHORT or p < BCAST_MIN_PROCS:
+        _binomial(terms, span, [nbytes] * span.steps, reduce=False)
+    else:
+        _binomial(terms, span, _halving(nbytes, span.steps), reduce=False)  # scatter
+        _ring(terms, span, nbytes / p)
+    return terms
+
+
+def reduce(span: Span, nbytes: float) -> Terms:
+    terms = Terms()
+    p = span.size
+    if p == 1:
+        return terms
+    if nbytes <= REDUCE_SHORT:
+        _binomial(terms, span, [nbytes] * span.steps, reduce=True)
+        return terms
+    sizes = _halving(nbytes, span.steps)
+    _butterfly(terms, span, sizes, [2**i for i in range(span.steps)], reduce=True)  # reduce-scatter
+    _binomial(terms, span, sizes, reduce=False)  # gather to the root
+    return terms
