@@ -4,7 +4,7 @@ of ``spar_comm.training``.
 
     mpiexec -n 4 python drivers/train.py          # MLP on digits, hitopk + mstopk, 2 emulated nodes of 2
     mpiexec -n 4 python drivers/train.py --model mlp --dataset synthetic --hidden 4096 --steps 30
-    mpirun -n 128 python drivers/train.py --ranks-per-node 0   # a real cluster: nodes found by shared memory
+    mpirun -n 128 python drivers/train.py       # several hosts: real nodes, found by shared memory
 
 Rank 0 alone prints: a progress bar and one summary line. Bad arguments end
 every rank with status 2; an error on any rank ends the whole job non-zero.
@@ -51,8 +51,9 @@ def make_parser() -> RankZeroParser:
     comm.add_argument("--algorithm", default=DEFAULTS.algorithm, choices=list(ALGORITHMS))
     comm.add_argument("--selector", default=DEFAULTS.selector, help="top-k method of spar_comm.kernels")
     comm.add_argument("--density", type=float, default=DEFAULTS.density, help="fraction of gradient entries sent")
-    comm.add_argument("--ranks-per-node", type=int, default=int(os.environ.get(ENV_RANKS_PER_NODE) or 2),
-                      help="emulate nodes of this many consecutive ranks; 0: real nodes, found by shared memory")
+    comm.add_argument("--ranks-per-node", type=int,
+                      help="emulate nodes of this many consecutive ranks; 0: real nodes, found by shared memory "
+                      f"(default: ${ENV_RANKS_PER_NODE}, else 2 when the job runs on one host, else real nodes)")
     model = p.add_argument_group("model and data")
     model.add_argument("--model", default=DEFAULTS.model, choices=MODELS, help="cnn needs torch")
     model.add_argument("--dataset", default=DEFAULTS.dataset, choices=DATASETS)
@@ -83,9 +84,23 @@ def make_parser() -> RankZeroParser:
     return p
 
 
+def ranks_per_node(flag: Optional[int]) -> Optional[int]:
+    """The emulated node size (None: real nodes). By default a job on one host
+    emulates nodes of 2, so that the hierarchical algorithms have nodes to span;
+    a job on several hosts uses its real nodes. Collective."""
+    if flag is not None:
+        return flag or None
+    if os.environ.get(ENV_RANKS_PER_NODE):
+        return None  # the Topology reads it
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    one_host = local.size == MPI.COMM_WORLD.size
+    local.Free()
+    return 2 if one_host else None
+
+
 def config_from(args: argparse.Namespace) -> TrainConfig:
     values = {key: value for key, value in vars(args).items() if key != "no_progress"}
-    values["ranks_per_node"] = args.ranks_per_node or None
+    values["ranks_per_node"] = ranks_per_node(args.ranks_per_node)
     values["trace"] = args.trace or None
     return TrainConfig(progress=not args.no_progress, **values)
 
@@ -93,7 +108,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if args.ranks_per_node < 0:
+    if args.ranks_per_node is not None and args.ranks_per_node < 0:
         parser.error(f"--ranks-per-node must be >= 0, got {args.ranks_per_node}")
     config = config_from(args)
     problems = config.problems()
