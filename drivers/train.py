@@ -44,11 +44,17 @@ class RankZeroParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the unset ones (None), whose help says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def make_parser() -> RankZeroParser:
-    p = RankZeroParser(prog="train.py", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = RankZeroParser(prog="train.py", description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     comm = p.add_argument_group("communication")
-    comm.add_argument("--algorithm", default=DEFAULTS.algorithm, choices=list(ALGORITHMS))
+    comm.add_argument("--algorithm", default=DEFAULTS.algorithm, choices=list(ALGORITHMS), help="gradient allreduce")
     comm.add_argument("--selector", default=DEFAULTS.selector, help="top-k method of spar_comm.kernels")
     comm.add_argument("--density", type=float, default=DEFAULTS.density, help="fraction of gradient entries sent")
     comm.add_argument("--ranks-per-node", type=int,
@@ -56,10 +62,10 @@ def make_parser() -> RankZeroParser:
                       f"(default: ${ENV_RANKS_PER_NODE}, else 2 when the job runs on one host, else real nodes)")
     model = p.add_argument_group("model and data")
     model.add_argument("--model", default=DEFAULTS.model, choices=MODELS, help="cnn needs torch")
-    model.add_argument("--dataset", default=DEFAULTS.dataset, choices=DATASETS)
+    model.add_argument("--dataset", default=DEFAULTS.dataset, choices=DATASETS, help="digits: held-out 20%%")
     model.add_argument("--hidden", type=int, default=DEFAULTS.hidden, help="MLP width (4096: ~17M parameters)")
     model.add_argument("--depth", type=int, default=DEFAULTS.depth, help="MLP hidden layers")
-    model.add_argument("--dtype", default=DEFAULTS.dtype, choices=["float32", "float64"])
+    model.add_argument("--dtype", default=DEFAULTS.dtype, choices=["float32", "float64"], help="of parameters and gradients")
     model.add_argument("--device", default=DEFAULTS.device, choices=DEVICES, help="gpu needs CuPy")
     opt = p.add_argument_group("optimization")
     length = opt.add_mutually_exclusive_group()
@@ -67,11 +73,11 @@ def make_parser() -> RankZeroParser:
     length.add_argument("--steps", type=int, help="total optimizer steps (instead of --epochs)")
     opt.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help="per rank")
     opt.add_argument("--lr", type=float, default=DEFAULTS.lr, help="peak learning rate")
-    opt.add_argument("--momentum", type=float, default=DEFAULTS.momentum)
-    opt.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
+    opt.add_argument("--momentum", type=float, default=DEFAULTS.momentum, help="SGD momentum")
+    opt.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay, help="L2, applied after the allreduce")
     opt.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="steps of linear warm-up")
-    opt.add_argument("--schedule", default=DEFAULTS.schedule, choices=SCHEDULES)
-    opt.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    opt.add_argument("--schedule", default=DEFAULTS.schedule, choices=SCHEDULES, help="after warm-up")
+    opt.add_argument("--seed", type=int, default=DEFAULTS.seed, help="initial weights and data order")
     run = p.add_argument_group("trace, checkpoints and stopping")
     run.add_argument("--trace", default="runs/train.h5", help="HDF5 trace path ('' for none)")
     run.add_argument("--trace-every", type=int, default=DEFAULTS.trace_every, help="steps between appends")
