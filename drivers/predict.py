@@ -102,7 +102,7 @@ def machine_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Mac
 
 
 def predict(args: argparse.Namespace, machine: Machine, **override) -> Dict[str, float]:
-    point = dict(nodes=args.nodes, size=args.size, density=args.density, **override)
+    point = {"nodes": args.nodes, "size": args.size, "density": args.density, **override}
     cluster = Cluster(point["nodes"], args.ranks_per_node)
     return costmodel.predict(cluster, point["size"], machine, args.dtype, point["density"], args.selector)
 
@@ -183,7 +183,7 @@ def title(args) -> str:
         "size": f"{args.size:,} elements" if args.sweep != "size" else None,
         "density": f"density {args.density:g}" if args.sweep != "density" else None,
     }
-    links = f"inter {args.links[0]:.3g} Gbit/s, intra {args.links[1]:.3g} Gbit/s"
+    links = f"inter {args.links[0]:.4g} Gbit/s, intra {args.links[1]:.4g} Gbit/s"
     return ", ".join(p for p in parts.values() if p) + f", {args.dtype}, {args.selector}; {links}"
 
 
@@ -325,7 +325,8 @@ def print_figures(machine: Machine) -> None:
     print(f"overhead {machine.overhead * 1e6:.1f} µs per call; memory pass {machine.gamma * 1e12:.1f} ps/byte")
     print(f"intra: alpha {machine.alpha_intra * 1e6:.1f} µs, {costmodel.beta_to_gbps(machine.beta_intra):.3g} Gbit/s; "
           f"inter: alpha {machine.alpha_inter * 1e6:.1f} µs, {costmodel.beta_to_gbps(machine.beta_inter):.3g} Gbit/s")
-    print("selection: " + ", ".join(f"{name} {s * 1e9:.3g} ns/element" for name, s in sorted(machine.select.items())))
+    print("selection: " + ", ".join(f"{name} {call * 1e6:.0f} µs + {element * 1e9:.3g} ns/element"
+                                    for name, (call, element) in sorted(machine.select.items())))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -26,6 +26,9 @@ ALGORITHMS: Dict[str, Type[Allreducer]] = {
     )
 }
 
+#: The algorithm name that lets the cost model choose.
+AUTO = "auto"
+
 
 def make_allreducer(
     algorithm: str,
@@ -42,8 +45,13 @@ def make_allreducer(
 
     Collective: every rank of ``topology.world`` must call it. Settings are
     compared across ranks, and any bad or disagreeing setting raises
-    ConfigError on every rank.
+    ConfigError on every rank. ``algorithm="auto"`` takes the one the cost
+    model predicts fastest for this topology and size (``spar_comm.costmodel.auto``).
     """
+    if algorithm == AUTO:
+        from ..costmodel.auto import choose  # the cost model builds on this package
+
+        algorithm = choose(topology, size, dtype, density, selector)
     known = isinstance(algorithm, str) and algorithm in ALGORITHMS
     problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}"
     raise_if_any(topology.world, problem)

@@ -44,7 +44,8 @@ class Shape:
         self.leaders = Span(self.nodes, 1)
 
     def select(self, elements: float) -> Terms:
-        return Terms({f"select:{self.selector}": elements})
+        """One selector call over ``elements``."""
+        return Terms({f"select_call:{self.selector}": 1, f"select:{self.selector}": elements})
 
     def pairs(self, k: int) -> int:
         return pair_bytes(k, self.s)

@@ -4,13 +4,15 @@ Three kinds of JSON file are understood:
 
 * ``bench_comm.py`` output: every algorithm timed at several sizes on one
   cluster shape. Selection time per element comes from the measured
-  ``t_select`` (in context: caches and rank contention as in a real step);
+  ``t_select`` (in context: caches and rank contention as in a real step),
+  as a line through the times per call against the elements scanned;
   the remaining link and memory figures are fitted to ``time_median`` minus
   the selection, by non-negative least squares on relative errors, so that
   small and large sizes weigh alike. Repeated runs of one setting are pooled
   by their median.
-* ``bench_topk.py`` output: selection time per element of every selector
-  (the median over its records), for selectors ``bench_comm`` did not run.
+* ``bench_topk.py`` output: selection time of every selector, per call and
+  per element (a line through its times at the sizes measured), for
+  selectors ``bench_comm`` did not run.
 * a calibration written by ``save`` (``predict.py fit``): the figures as is.
 
 A figure the files cannot determine (say inter-node terms from a one-node
@@ -99,29 +101,41 @@ def measurements(document: dict, path: str = "bench_comm JSON") -> List[Measurem
     return rows
 
 
-def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, float]:
-    """Seconds per element of every selector in a bench_topk document."""
-    per_method: Dict[str, List[float]] = {}
+def selection_line(samples: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """(seconds per call, seconds per element) through (elements, seconds)
+    samples; with a single size measured, all of it is per element."""
+    elements = np.array([e for e, _ in samples], dtype=float)
+    seconds = np.array([t for _, t in samples], dtype=float)
+    if len(set(elements)) < 2:
+        return 0.0, float(np.median(seconds / elements))
+    scale = np.array([1.0, elements.max()])
+    per_call, per_element = nonnegative_lstsq(np.column_stack([np.ones_like(elements), elements]) / scale, seconds) / scale
+    return float(per_call), float(per_element)
+
+
+def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, Tuple[float, float]]:
+    """Selection figures of every selector in a bench_topk document."""
+    samples: Dict[str, List[Tuple[float, float]]] = {}
     try:
         for record in document["records"]:
             if record["method"] in SELECTORS:
-                per_method.setdefault(record["method"], []).append(float(record["median_s"]) / int(record["n"]))
+                samples.setdefault(record["method"], []).append((int(record["n"]), float(record["median_s"])))
     except (KeyError, TypeError, ValueError) as error:
         raise CalibrationError(f"{path}: malformed bench_topk JSON ({type(error).__name__}: {error})") from None
-    if not per_method:
+    if not samples:
         raise CalibrationError(f"{path}: no records of a known selector")
-    return {method: median(rates) for method, rates in per_method.items()}
+    return {method: selection_line(points) for method, points in samples.items()}
 
 
-def in_context_rates(rows: Sequence[Measurement]) -> Dict[str, float]:
-    """Selection seconds per element from bench_comm's t_select. gtopk is left
-    out: its t_select also holds the merges up the tree."""
-    per_selector: Dict[str, List[float]] = {}
+def in_context_rates(rows: Sequence[Measurement]) -> Dict[str, Tuple[float, float]]:
+    """Selection figures from bench_comm's t_select. gtopk is left out: its
+    t_select also holds the merges up the tree."""
+    samples: Dict[str, List[Tuple[float, float]]] = {}
     for row in rows:
         if row.algorithm in ("topka", "hitopk", "hitopk_leader") and row.select_seconds > 0:
             elements = row.terms()[f"select:{row.selector}"]
-            per_selector.setdefault(row.selector, []).append(row.select_seconds / elements)
-    return {selector: median(rates) for selector, rates in per_selector.items()}
+            samples.setdefault(row.selector, []).append((elements, row.select_seconds))
+    return {selector: selection_line(points) for selector, points in samples.items()}
 
 
 def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -138,7 +152,8 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit(rows: Sequence[Measurement], base: Machine = CPU, rates: Optional[Mapping[str, float]] = None) -> Machine:
+def fit(rows: Sequence[Measurement], base: Machine = CPU,
+        rates: Optional[Mapping[str, Tuple[float, float]]] = None) -> Machine:
     """The machine that best explains ``rows`` (see the module docstring).
 
     ``rates`` are selection figures to start from (e.g. from bench_topk);
@@ -151,7 +166,7 @@ def fit(rows: Sequence[Measurement], base: Machine = CPU, rates: Optional[Mappin
     rows = pooled(rows)
     terms = [row.terms() for row in rows]
     seconds = np.array([row.seconds for row in rows])
-    select_only = np.array([machine.seconds({t: a for t, a in ts.items() if t.startswith("select:")}) for ts in terms])
+    select_only = np.array([machine.seconds({t: a for t, a in ts.items() if t.startswith("select")}) for ts in terms])
     features = np.array([[ts.get(name, 0.0) for name in LINK_TERMS] for ts in terms])
     known = [j for j in range(len(LINK_TERMS)) if features[:, j].any()]
     a, b = features[:, known], seconds - select_only

@@ -2,8 +2,9 @@
 
 A ``Machine`` holds the alpha-beta-gamma figures: latency and inverse
 bandwidth inside a node and across nodes, the cost of one local memory pass
-per byte (reductions, copies, scatter-adds), the selection time per element
-of every top-k method, and a fixed software overhead per allreduce call. A
+per byte (reductions, copies, scatter-adds), the selection time of every
+top-k method (a fixed cost per call, e.g. MSTopK's ~30 kernel launches or
+NumPy calls, plus a cost per element scanned), and a fixed software overhead per allreduce call. A
 ``Cluster`` is the shape: nodes and ranks per node.
 
 ``beta_inter`` is the inverse bandwidth of a node's *network link*: flows
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Tuple
 
 #: The linear coefficients of the model, in the order of a fitted vector.
 LINK_TERMS = ("overhead", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma")
@@ -57,8 +58,8 @@ class Machine:
     alpha_inter: float
     beta_inter: float
     gamma: float
-    #: seconds per element scanned, by selector name
-    select: Mapping[str, float] = field(default_factory=dict)
+    #: selector name -> (seconds per call, seconds per element scanned)
+    select: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in LINK_TERMS:
@@ -66,15 +67,17 @@ class Machine:
             if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         for name, value in self.select.items():
-            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"selection time of {name!r} must be a finite number >= 0, got {value!r}")
+            if len(value) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < float("inf") for v in value):
+                raise ValueError(f"selection figures of {name!r} must be two finite numbers >= 0, got {value!r}")
 
     def seconds(self, terms: Mapping[str, float]) -> float:
         """The time of ``terms`` (see ``mpi.py``): each amount times its figure."""
         total = 0.0
         for term, amount in terms.items():
             if term.startswith("select:"):
-                total += amount * self.select[term[len("select:"):]]
+                total += amount * self.select[term[len("select:"):]][1]
+            elif term.startswith("select_call:"):
+                total += amount * self.select[term[len("select_call:"):]][0]
             else:
                 total += amount * getattr(self, term)
         return total
@@ -92,20 +95,21 @@ class Machine:
         return self.replace(**changes)
 
     def to_dict(self) -> Dict[str, object]:
-        return {**{name: getattr(self, name) for name in LINK_TERMS}, "select": dict(self.select)}
+        select = {name: list(figures) for name, figures in self.select.items()}
+        return {**{name: getattr(self, name) for name in LINK_TERMS}, "select": select}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> "Machine":
         """Raises KeyError/TypeError/ValueError on a malformed mapping."""
         select = data["select"]
         if not isinstance(select, Mapping):
-            raise TypeError("select must be a mapping of selector name to seconds per element")
-        return cls(**{name: data[name] for name in LINK_TERMS}, select=dict(select))
+            raise TypeError("select must map a selector name to [seconds per call, seconds per element]")
+        return cls(**{name: data[name] for name in LINK_TERMS}, select={k: tuple(v) for k, v in select.items()})
 
 
 #: A GPU cluster as the README predictions assume it: NVLink-class links
 #: inside a node, a public-cloud network between nodes (the link speeds are
-#: meant to be overridden), HBM-speed memory passes, and selection rates of
+#: meant to be overridden), memory passes at HBM speed (read and write, ~1 TB/s), and selection rates of
 #: GPU kernels (MSTopK: ~30 counting passes at ~1 TB/s; exact top-k by sort).
 GPU = Machine(
     overhead=20e-6,
@@ -113,8 +117,9 @@ GPU = Machine(
     beta_intra=gbps_to_beta(1200),
     alpha_inter=15e-6,
     beta_inter=gbps_to_beta(25),
-    gamma=5e-12,
-    select={"mstopk": 5e-11, "threshold": 5e-11, "threshold_warm": 3e-11, "exact": 4e-10},
+    gamma=2e-12,
+    select={"mstopk": (150e-6, 5e-11), "threshold": (100e-6, 5e-11), "threshold_warm": (100e-6, 3e-11),
+            "exact": (50e-6, 4e-10)},
 )
 
 #: A CPU cluster running this package's NumPy kernels: shared memory inside a
@@ -127,7 +132,8 @@ CPU = Machine(
     alpha_inter=30e-6,
     beta_inter=gbps_to_beta(25),
     gamma=2e-10,
-    select={"mstopk": 4e-10, "threshold": 2e-10, "threshold_warm": 1.8e-10, "exact": 2e-9},
+    select={"mstopk": (100e-6, 4e-10), "threshold": (40e-6, 1.9e-10), "threshold_warm": (40e-6, 1.7e-10),
+            "exact": (50e-6, 2e-9)},
 )
 
 PRESETS: Dict[str, Machine] = {"gpu": GPU, "cpu": CPU}

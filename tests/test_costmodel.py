@@ -1,0 +1,135 @@
+"""The cost model: physical soundness (property tests), MPICH schedules, the
+fit recovering a known machine, and calibration inputs it must refuse."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spar_comm import ALGORITHMS
+from spar_comm.costmodel import (CPU, GPU, CalibrationError, Cluster, Machine, Measurement, fit, gbps_to_beta,
+                                 load, predict, relative_errors, step_terms)
+from spar_comm.costmodel import mpi
+
+clusters = st.builds(Cluster, st.integers(1, 512), st.integers(1, 16))
+sizes = st.integers(1, 2_000_000_000)
+densities = st.floats(1e-5, 1.0)
+selectors = st.sampled_from(sorted(GPU.select))
+bandwidths = st.floats(0.1, 10_000)
+
+
+def test_every_algorithm_is_modelled():
+    assert list(predict(Cluster(2, 2), 1000, GPU)) == list(ALGORITHMS)
+
+
+@pytest.mark.parametrize("cluster, beta", [(Cluster(1, 2), "beta_intra"), (Cluster(2, 1), "beta_inter")])
+def test_two_rank_dense_is_near_the_ring_bound(cluster, beta):
+    n = 100_000_000 * 4  # bytes
+    bandwidth_bound = 2 * (2 - 1) / 2 * n * getattr(GPU, beta)
+    seconds = predict(cluster, n // 4, GPU, algorithms=["dense"])["dense"]
+    # above the bound, and within a small factor: latency and memory passes (copy, sum, average) on top
+    assert bandwidth_bound <= seconds <= 3 * bandwidth_bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusters, sizes, densities, selectors, bandwidths, bandwidths, st.floats(1.01, 100))
+def test_more_bandwidth_is_never_slower(cluster, size, density, selector, inter, intra, factor):
+    slow = predict(cluster, size, GPU.with_links(inter, intra), density=density, selector=selector)
+    for faster in (GPU.with_links(inter * factor, intra), GPU.with_links(inter, intra * factor)):
+        fast = predict(cluster, size, faster, density=density, selector=selector)
+        assert all(fast[name] <= slow[name] * (1 + 1e-12) for name in slow)
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusters, sizes, densities, selectors, st.sampled_from(["float32", "float64"]))
+def test_predictions_are_positive_and_finite(cluster, size, density, selector, dtype):
+    for machine in (GPU, CPU):
+        times = predict(cluster, size, machine, dtype, density, selector)
+        assert all(0 < t < math.inf for t in times.values()), times
+
+
+@settings(max_examples=40, deadline=None)
+@given(clusters, st.integers(50_000_000, 500_000_000))
+def test_twice_the_size_about_doubles_dense_time(cluster, size):
+    one = predict(cluster, size, GPU, algorithms=["dense"])["dense"]
+    two = predict(cluster, 2 * size, GPU, algorithms=["dense"])["dense"]
+    assert 1.8 <= two / one <= 2.0 + 1e-9
+
+
+def test_node_link_is_shared_by_the_ranks_of_a_node():
+    # world allreduce at 8 ranks per node: the steps across nodes carry 8 flows
+    terms = mpi.allreduce(mpi.Span(nodes=4, per_node=8), 8 << 20)
+    per_rank_inter_bytes = 2 * (8 << 20) / 8 * (1 - 1 / 4)  # halving steps at distance >= 8
+    assert terms["beta_inter"] == pytest.approx(8 * per_rank_inter_bytes)
+
+
+def test_mpich_thresholds_pick_latency_or_bandwidth_schedules():
+    span = mpi.Span(nodes=1, per_node=16)
+    assert mpi.allgather(span, 8)["alpha_intra"] == 4  # recursive doubling
+    assert mpi.allgather(span, 1 << 20)["alpha_intra"] == 15  # ring
+    assert mpi.allreduce(span, 1024)["alpha_intra"] == 4
+    assert mpi.allreduce(span, 1 << 20)["alpha_intra"] == 8  # Rabenseifner: halving + doubling
+    assert mpi.bcast(span, 1 << 20)["alpha_intra"] == 4 + 15  # scatter + ring allgather
+
+
+def test_small_buckets_stay_dense_and_large_go_sparse():
+    cluster, machine = Cluster(16, 8), GPU.with_links(25, 1200)
+    small = predict(cluster, 10_000, machine)
+    large = predict(cluster, 100_000_000, machine)
+    assert min(small, key=small.get) in ("dense", "hier_dense")
+    assert min(large, key=large.get) not in ("dense", "hier_dense")
+
+
+def synthetic_rows(machine: Machine, sizes_):
+    rows = []
+    for cluster in (Cluster(2, 2), Cluster(1, 4), Cluster(4, 1)):
+        for algorithm in ALGORITHMS:
+            for size in sizes_:
+                row = Measurement(cluster, algorithm, size, "float32", 0.001, "mstopk", 1.0, 0.0)
+                terms = row.terms()
+                select = {t: a for t, a in terms.items() if t.startswith("select")}
+                rows.append(Measurement(cluster, algorithm, size, "float32", 0.001, "mstopk",
+                                        machine.seconds(terms), machine.seconds(select)))
+    return rows
+
+
+def test_fit_recovers_a_known_machine_on_sizes_it_did_not_see():
+    truth = CPU.replace(alpha_intra=5e-6, alpha_inter=40e-6, beta_inter=gbps_to_beta(10), gamma=3e-10)
+    fitted = fit(synthetic_rows(truth, [2**16, 2**18, 2**20, 2**22]), base=GPU)
+    errors = [e for *_, e in relative_errors(fitted, synthetic_rows(truth, [2**17, 2**21, 2**23]))]
+    assert max(errors) < 0.02
+
+
+def test_load_reads_bench_topk_and_a_saved_calibration(tmp_path):
+    topk = {"machine": {}, "records": [
+        {"method": "mstopk", "n": n, "median_s": 1e-4 + 2e-9 * n} for n in (2**16, 2**20, 2**22)]}
+    (tmp_path / "topk.json").write_text(json.dumps(topk))
+    machine = load([str(tmp_path / "topk.json")], base=CPU)
+    assert machine.select["mstopk"] == pytest.approx((1e-4, 2e-9), rel=1e-6)
+    (tmp_path / "cal.json").write_text(json.dumps({"tool": "spar_comm.costmodel", "machine": GPU.to_dict()}))
+    assert load([str(tmp_path / "cal.json")]) == GPU
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read"),
+    ("{not json", "is not JSON"),
+    ("[1, 2]", "neither bench_comm.py nor bench_topk.py"),
+    ('{"meta": {}, "results": []}', "malformed bench_comm"),
+    ('{"machine": {}, "records": [{"method": "argpartition", "n": 1, "median_s": 1}]}', "no records of a known"),
+    ('{"tool": "spar_comm.costmodel", "machine": {"gamma": 1}}', "malformed calibration"),
+])
+def test_bad_calibration_inputs_are_refused(tmp_path, content, words):
+    path = tmp_path / "input.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(CalibrationError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        load([str(path)])
+
+
+def test_step_terms_follow_the_bytes_of_the_implementation():
+    # topka at 2 ranks on 2 nodes: 41 pairs of float32 are 168 + 168 bytes, sent once
+    terms = step_terms("topka", Cluster(2, 1), 4099, density=0.01)
+    assert terms["beta_inter"] == 336 + 4  # the pairs, and the gradient check's 4 bytes

@@ -1,0 +1,110 @@
+"""drivers/predict.py: the table, --json, calibration, sweeps with break-even
+points and a plot, the fit with held-out sizes, and bad input (exit status 2)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from spar_comm import ALGORITHMS
+from spar_comm.costmodel import CPU
+from test_costmodel import synthetic_rows
+
+SPEC = importlib.util.spec_from_file_location("predict_driver", __file__.replace("tests/test_predict.py", "drivers/predict.py"))
+predict = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(predict)
+
+CLUSTER = ["--nodes", "16", "--ranks-per-node", "8", "--inter-gbps", "25", "--intra-gbps", "1200"]
+
+
+def run(capsys, *args):
+    code = predict.main([str(a) for a in args])
+    return code, capsys.readouterr()
+
+
+def test_table_names_every_algorithm_and_the_fastest(capsys):
+    code, out = run(capsys, *CLUSTER, "--size", "25.6M")
+    assert code == 0
+    for name in ALGORITHMS:
+        assert f"\n{name} " in out.out
+    assert out.out.count("<- fastest") == 1
+
+
+def test_json_gives_seconds_and_the_best(capsys):
+    code, out = run(capsys, *CLUSTER, "--size", "1.5B", "--density", "0.01", "--json")
+    document = json.loads(out.out)
+    assert list(document["algorithms"]) == list(ALGORITHMS)
+    assert document["best"] == min(document["algorithms"], key=document["algorithms"].get)
+    assert document["size"] == 1_500_000_000
+
+
+def write_bench(path, rows):
+    """rows of one cluster shape as bench_comm.py writes them."""
+    cluster = rows[0].cluster
+    meta = {"num_nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node, "node_sizes": [cluster.ranks_per_node] * cluster.nodes,
+            "dtype": "float32", "density": 0.001, "selector": "mstopk"}
+    results = [{"algorithm": r.algorithm, "size": r.size, "time_median": r.seconds, "t_select": r.select_seconds}
+               for r in rows if r.cluster == cluster]
+    path.write_text(json.dumps({"meta": meta, "results": results}))
+
+
+def test_fit_reports_held_out_error_and_its_calibration_drives_predictions(capsys, tmp_path):
+    bench = tmp_path / "bench.json"
+    write_bench(bench, synthetic_rows(CPU, [2**16, 2**17, 2**18, 2**20]))
+    code, out = run(capsys, "fit", bench, "--holdout-sizes", "131072", "--out", tmp_path / "cal.json", "--json")
+    summary = json.loads(out.out)
+    assert code == 0 and summary["holdout_sizes"] == [131072] and summary["holdout_median_relative_error"] < 0.05
+    code, out = run(capsys, "--nodes", 2, "--ranks-per-node", 2, "--size", "1M", "--calibration", tmp_path / "cal.json", "--json")
+    assert code == 0 and json.loads(out.out)["best"] in ALGORITHMS
+
+
+@pytest.mark.parametrize("sweep", ["density", "size", "nodes"])
+def test_sweep_prints_break_even_points_and_writes_a_plot(capsys, tmp_path, sweep):
+    png = tmp_path / f"{sweep}.png"
+    code, out = run(capsys, *CLUSTER, "--size", "25.6M", "--sweep", sweep, "--plot", png)
+    assert code == 0 and "break-even points" in out.out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_size_sweep_finds_where_sparse_overtakes_dense(capsys):
+    code, out = run(capsys, *CLUSTER, "--size", "1M", "--sweep", "size", "--json")
+    crossings = json.loads(out.out)["break_even"]
+    assert crossings and crossings[0]["from"] in ("dense", "hier_dense")
+
+
+@pytest.mark.parametrize("args, words", [
+    ([*CLUSTER, "--size", "0"], "size must be a whole number"),
+    ([*CLUSTER, "--size", "-5"], "positive element count"),
+    ([*CLUSTER, "--size", "1.5"], "whole number"),
+    ([*CLUSTER, "--size", "10", "--density", "0"], "density must be in (0, 1]"),
+    ([*CLUSTER, "--size", "10", "--density", "1.5"], "density must be in (0, 1]"),
+    ([*CLUSTER, "--size", "10", "--density", "nan"], "positive finite"),
+    (["--nodes", "0", "--ranks-per-node", "8", "--inter-gbps", "25", "--intra-gbps", "1", "--size", "10"], "must be >= 1"),
+    (["--nodes", "2", "--ranks-per-node", "-1", "--inter-gbps", "25", "--intra-gbps", "1", "--size", "10"], "must be >= 1"),
+    (["--nodes", "2", "--ranks-per-node", "8", "--inter-gbps", "0", "--intra-gbps", "1", "--size", "10"], "positive finite"),
+    (["--nodes", "2", "--ranks-per-node", "8", "--inter-gbps", "25", "--intra-gbps", "-3", "--size", "10"], "positive finite"),
+    (["--nodes", "2", "--ranks-per-node", "8", "--size", "10"], "required without --calibration"),
+    ([*CLUSTER, "--size", "10", "--plot", "x.png"], "--plot needs --sweep"),
+    ([*CLUSTER, "--size", "10", "--calibration", "/no/such.json"], "cannot read"),
+    (["fit", "/no/such.json"], "cannot read"),
+])
+def test_bad_input_exits_2_with_a_message(capsys, args, words):
+    with pytest.raises(SystemExit) as stop:
+        predict.main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and words in err and "Traceback" not in err
+
+
+def test_foreign_calibration_file_exits_2(capsys, tmp_path):
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"hello": "world"}))
+    with pytest.raises(SystemExit) as stop:
+        predict.main([*CLUSTER, "--size", "10", "--calibration", str(foreign)])
+    assert stop.value.code == 2 and "neither bench_comm.py" in capsys.readouterr().err
+
+
+def test_bad_input_from_the_command_line_has_no_traceback(run_driver):
+    result = run_driver("predict.py", *CLUSTER, "--size", "10", "--density", "2")
+    assert result.returncode == 2 and "density must be in (0, 1]" in result.stderr
+    assert "Traceback" not in result.stderr
