@@ -115,6 +115,11 @@ def test_analyze_writes_json_png_and_chrome_events(traces, tmp_path):
     assert len({(e["pid"], e["tid"]) for e in spans}) == 4 * 8  # a track per rank and phase
 
 
+def test_analyze_follow_ends_when_the_run_is_complete(traces):
+    result = analyze(str(traces[0]), "--follow", "--interval", "0.1")
+    assert result.returncode == 0 and f"step {STEPS}/{STEPS}" in result.stdout
+
+
 def test_analyze_refuses_a_missing_trace():
     result = analyze("no/such/trace.h5")
     assert result.returncode == 2 and "no such trace" in result.stderr

@@ -73,7 +73,11 @@ class Group:
 
 
 class FusedAllreduce:
-    """One allreduce call per step on the flat gradient, in the gradient's namespace."""
+    """One allreduce call per step on the flat gradient buffer, in place.
+
+    The result is written back into the buffer, so views of it (a torch
+    module's ``.grad``) hold the averaged gradient afterwards, as in DDP.
+    """
 
     def __init__(self, reducer: Any):
         self.reducer = reducer
@@ -89,7 +93,8 @@ class FusedAllreduce:
 
     def __call__(self, grad: Any, xp: Any) -> Any:
         out = self.reducer.allreduce(to_host(grad))
-        return xp.asarray(out, device=array_api_compat.device(grad))
+        grad[...] = xp.asarray(out, device=array_api_compat.device(grad))
+        return grad
 
     def residual(self) -> Tuple[Tuple[int, int], np.ndarray]:
         """This rank's error-feedback residual: its global range and values."""

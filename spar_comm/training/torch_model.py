@@ -2,8 +2,8 @@
 
 The module's parameters become views of the flat parameter vector and their
 ``.grad`` views of the flat gradient buffer, so autograd writes straight into
-the fused buffer and the optimizer's in-place updates of the flat vector are
-the module's weights. torch is imported only here (an optional extra).
+the fused buffer, the allreduced gradient is written back into ``.grad``, and
+the optimizer's in-place updates of the flat vector are the module's weights. torch is imported only here (an optional extra).
 """
 from __future__ import annotations
 
