@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spar_comm.training.config import TrainConfig
-from spar_comm.training.data import Shards, load_dataset
+from spar_comm.training.data import Shards, digits, load_dataset
 from spar_comm.training.layout import ParamLayout
 from spar_comm.training.models import MLP
 from spar_comm.training.optim import SGD
@@ -115,6 +115,14 @@ def test_shards_are_disjoint_equal_and_reshuffled_per_epoch():
     again = Shards(50, 0, world, batch, seed=7)
     assert np.array_equal(again.indices(spe + 1), shards[0].indices(spe + 1))
     assert shards[0].position(spe + 1) == (1, 1)
+
+
+def test_digits_are_scikit_learns():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    mine_x, mine_y = digits()
+    assert np.array_equal(mine_x, x) and np.array_equal(mine_y, y)
 
 
 def test_datasets_have_a_held_out_split():

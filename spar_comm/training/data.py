@@ -5,6 +5,8 @@ namespace by the loop.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -37,9 +39,7 @@ def load_dataset(name: str, dtype: str = "float32") -> Dataset:
     80/20 split. ``synthetic``: Gaussian inputs labelled by a fixed random
     two-layer teacher network, learnable but not trivially so."""
     if name == "digits":
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
+        x, y = digits()
         x = x / 16.0
         order = np.random.default_rng(0).permutation(len(y))
         n_test = int(round(TEST_FRACTION * len(y)))
@@ -54,6 +54,19 @@ def load_dataset(name: str, dtype: str = "float32") -> Dataset:
         x = x.astype(dtype)
         return Dataset(name, x[:SYNTHETIC_TRAIN], y[:SYNTHETIC_TRAIN], x[SYNTHETIC_TRAIN:], y[SYNTHETIC_TRAIN:], SYNTHETIC_CLASSES)
     raise ValueError(f"unknown dataset {name!r}")
+
+
+def digits() -> Tuple[np.ndarray, np.ndarray]:
+    """The 1797 digits of scikit-learn's wheel, read straight from its CSV file:
+    importing sklearn.datasets costs every rank a second or more."""
+    spec = importlib.util.find_spec("sklearn")
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    if not os.path.exists(path):  # a scikit-learn that moved the file
+        from sklearn.datasets import load_digits
+
+        return load_digits(return_X_y=True)
+    table = np.loadtxt(path, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(np.int64)
 
 
 class Shards:
