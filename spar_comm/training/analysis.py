@@ -137,9 +137,9 @@ def plot(traces: Sequence[Trace], summaries: Sequence[Dict[str, Any]], path: str
         bottom += heights
     bars.set_ylabel("mean time per step (ms)")
     bars.set_title("time breakdown per step")
-    bars.legend(fontsize=8, loc="upper right", reverse=True)
+    bars.legend(fontsize=8, loc="upper center", ncol=3)
     bars.tick_params(axis="x", labelsize=8)
-    bars.set_ylim(0, bottom.max() * 1.35 if bottom.max() > 0 else 1)
+    bars.set_ylim(0, bottom.max() * 1.3 if bottom.max() > 0 else 1)
     for trace, s in zip(traces, summaries):
         curves.plot(trace.data["step"], trace.data["loss"], label=label(s), linewidth=1)
     curves.set_xlabel("step")
