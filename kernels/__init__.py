@@ -4,7 +4,8 @@ Installed as ``spar_comm.kernels``. Everything here works on one rank's data;
 the collectives in ``spar_comm`` call into it.
 """
 from .selection import SELECTORS, Selector, make_selector, register, topk
+from .finite import all_finite
 from .sparse import scatter_add
 from . import mstopk, threshold  # noqa: E402,F401  (register their methods)
 
-__all__ = ["SELECTORS", "Selector", "make_selector", "register", "scatter_add", "topk"]
+__all__ = ["all_finite", "SELECTORS", "Selector", "make_selector", "register", "scatter_add", "topk"]

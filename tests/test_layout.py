@@ -76,3 +76,19 @@ def test_ranks_per_node_from_the_environment(monkeypatch):
     topology = Topology(MPI.COMM_SELF)
     assert topology.emulated_ranks_per_node == 4 and topology.num_nodes == 1
     topology.free()
+
+
+@settings(max_examples=80, deadline=None)  # the first call of each dtype compiles
+@given(
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    n=st.integers(1, 300),
+    bad=st.sampled_from([None, np.nan, np.inf, -np.inf]),
+    data=st.data(),
+)
+def test_all_finite_finds_any_nan_or_inf(dtype, n, bad, data):
+    from spar_comm.kernels import all_finite
+
+    x = np.random.default_rng(n).standard_normal(n).astype(dtype) * 1e3
+    if bad is not None:
+        x[data.draw(st.integers(0, n - 1))] = bad
+    assert all_finite(x) == (bad is None) == bool(np.isfinite(x).all())
