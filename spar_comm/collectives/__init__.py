@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Type
 
-from ..consensus import raise_if_any
+from ..consensus import raise_if_any, require_same
 from ..topology import Topology
 from .base import Allreducer, selection_size
 from .dense import DenseAllreducer
@@ -48,12 +48,13 @@ def make_allreducer(
     ConfigError on every rank. ``algorithm="auto"`` takes the one the cost
     model predicts fastest for this topology and size (``spar_comm.costmodel.auto``).
     """
-    if algorithm == AUTO:
+    known = isinstance(algorithm, str) and (algorithm == AUTO or algorithm in ALGORITHMS)
+    problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join([*ALGORITHMS, AUTO])}"
+    raise_if_any(topology.world, problem)
+    require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
+    if algorithm == AUTO:  # collective: every rank reaches it, and picks the same
         from ..costmodel.auto import choose  # the cost model builds on this package
 
         algorithm = choose(topology, size, dtype, density, selector)
-    known = isinstance(algorithm, str) and algorithm in ALGORITHMS
-    problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}"
-    raise_if_any(topology.world, problem)
     cls = ALGORITHMS[algorithm]
     return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options)

@@ -2,12 +2,15 @@
 gradient check, error-feedback residuals, and the ``.last`` figures.
 
 A subclass implements ``_reduce(grad) -> new flat array`` (the sum over ranks,
-not yet averaged) and says where its residual lives; the rest is here.
+divided by their number through ``averaged`` when averaging) and says where
+its residual lives; the rest is here.
 """
 from __future__ import annotations
 
 import math
+import sys
 import time
+import traceback
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -16,7 +19,7 @@ from mpi4py import MPI
 
 from .. import kernels
 from ..consensus import raise_if_any, require_same
-from ..errors import GradientError, NonFiniteGradientError
+from ..errors import ConfigError, GradientError, NonFiniteGradientError
 from ..topology import Topology
 from .channel import Channel
 
@@ -58,14 +61,9 @@ def _problems_of(grad: Any, size: int, dtype: np.dtype) -> int:
         code |= 8
     if not grad.flags.c_contiguous:
         code |= 16
-    if code == 0 and not _all_finite(grad):
+    if code == 0 and not kernels.all_finite(grad):
         code |= _NON_FINITE
     return code
-
-
-def _all_finite(x: np.ndarray) -> bool:
-    # min and max propagate NaN and show +-Inf; two fast reductions, no temporary.
-    return bool(np.isfinite(x.min()) and np.isfinite(x.max())) if x.size else True
 
 
 class Allreducer:
@@ -144,9 +142,19 @@ class Allreducer:
         self._residual += fresh
         return self._residual
 
+    def averaged(self, values: np.ndarray) -> np.ndarray:
+        """Divide by the world size in place when averaging. Each algorithm calls
+        it where the fewest values are in hand (the k selected pairs, or a shard
+        before it is shared): the bits are those of dividing the whole sum."""
+        if self.average and self.world.size > 1:
+            values /= self.world.size
+        return values
+
     def select(self, selector: kernels.Selector, acc: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
         """Pick k entries of ``acc``; return (indices, values) and leave the rest in
         ``acc`` (the residual) when error feedback is on."""
+        if k == 0:  # an empty shard (fewer elements than shards)
+            return np.zeros(0, dtype=np.int64), acc[:0].copy()
         start = time.perf_counter()
         indices = selector(acc, k)
         values = acc[indices]
@@ -166,11 +174,16 @@ class Allreducer:
         GradientError on every rank and leaves the residuals as they were.
         """
         self.last = self._fresh_ledger()
-        self._check(grad)
         start = time.perf_counter()
-        out = self._reduce(grad)
-        if self.average and self.world.size > 1:
-            out /= self.world.size
+        self._check(grad)
+        self.last["t_check"] = time.perf_counter() - start
+        try:
+            out = self._reduce(grad)
+        except BaseException:
+            # Inputs were checked on every rank, so this is a failure of this rank
+            # alone (a bug, memory, an interrupt) while the others wait in a
+            # collective: end the whole job rather than leave them hanging.
+            _abort_job(self.topology.world, f"{self.name} allreduce")
         if math.isinf(self.last["threshold"]):  # nothing was selected: a dense method
             self.last["threshold"] = 0.0
         self.last["t_total"] = time.perf_counter() - start
@@ -183,12 +196,27 @@ class Allreducer:
         full[lo:hi] = self._residual
         return full
 
+    def residual_state(self) -> Tuple[Tuple[int, int], np.ndarray]:
+        """This rank's residual for a checkpoint: its range ``[lo, hi)`` of the
+        global vector and a copy of its values."""
+        return self._residual_range, self._residual.copy()
+
+    def load_residual_state(self, span: Tuple[int, int], values: np.ndarray) -> None:
+        """Restore what ``residual_state`` returned on the same rank and layout.
+        Local, not collective: the caller agrees on success across ranks."""
+        if tuple(span) != tuple(self._residual_range) or np.shape(values) != self._residual.shape:
+            raise ConfigError(
+                f"saved residual covers {tuple(span)} with {np.shape(values)} values; "
+                f"this rank's covers {self._residual_range} with {self._residual.shape}"
+            )
+        self._residual[...] = values
+
     # -- internals ---------------------------------------------------------------------
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
     def _fresh_ledger(self) -> Dict[str, float]:
-        ledger = dict.fromkeys(("t_select", "t_intra", "t_inter"), 0.0)
+        ledger = dict.fromkeys(("t_check", "t_select", "t_intra", "t_inter"), 0.0)
         ledger["threshold"] = math.inf  # the smallest selected magnitude, lowered by select()
         ledger.update(dict.fromkeys(("k", "bytes_intra", "bytes_inter"), 0))
         if hasattr(self, "last"):  # channels hold the ledger: refill it in place
@@ -212,6 +240,13 @@ class Allreducer:
             f"{self.name} allreduce refused the gradient (expected 1-D contiguous "
             f"{self.dtype.name} of length {self.size}; nothing was changed): " + "; ".join(parts)
         )
+
+
+def _abort_job(comm: MPI.Comm, where: str) -> None:
+    text = traceback.format_exc()
+    sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in f"{where} failed:\n{text}".splitlines()))
+    sys.stderr.flush()
+    comm.Abort(1)
 
 
 def _check_settings(size: Any, dtype: Any, density: Any, selector: str, sparse: bool) -> Optional[str]:

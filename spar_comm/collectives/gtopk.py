@@ -55,7 +55,7 @@ class GTopKAllreducer(Allreducer):
         self.world.bcast(self.buf, root=0)
         values, indices = self.layout.views(self.buf)
         out = np.zeros(self.size, dtype=self.dtype)
-        out[indices] = values
+        out[indices] = self.averaged(values)
         return out
 
     def _pack(self, indices: np.ndarray, values: np.ndarray) -> None:

@@ -53,13 +53,14 @@ class HiTopKAllreducer(Allreducer):
         for site in self.sites:
             indices, values = self.select(site.selector, acc[site.lo : site.hi], site.k)
             site.exchange(indices, values, reduced[site.lo : site.hi])
+        nonzero = np.flatnonzero(reduced)
+        reduced[nonzero] = self.averaged(reduced[nonzero])
         if self.local.size == 1:
             return reduced
-        return self._share_in_node(reduced)
+        return self._share_in_node(reduced, nonzero)
 
-    def _share_in_node(self, reduced: np.ndarray) -> np.ndarray:
+    def _share_in_node(self, reduced: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
         """Local Allgather of every rank's reduced region, sparse when that is smaller."""
-        nonzero = np.flatnonzero(reduced)
         self._count[0] = nonzero.size
         self.local.allgather(self._count, self._counts)
         layouts = [PairLayout(int(u), self.dtype) for u in self._counts]

@@ -36,6 +36,7 @@ class HiTopKLeaderAllreducer(Allreducer):
         if self.is_leader:
             acc = self.with_residual(node_sum)
             indices, values = self.select(self.selector, acc, self.k)
-            self.exchange(indices, values, out)
+            touched = self.exchange(indices, values, out)
+            out[touched] = self.averaged(out[touched])
         self.local.bcast(out)
         return out

@@ -56,9 +56,12 @@ class PairExchange:
         self.recvbuf = self.layout.empty(channel.size)
 
     def __call__(self, indices: np.ndarray, values: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Add every rank's pairs into ``out``; returns the indices touched."""
         send_values, send_indices = self.layout.views(self.sendbuf)
         send_values[:] = values
         send_indices[:] = indices
         self.channel.allgather(self.sendbuf, self.recvbuf)
         all_values, all_indices = self.layout.all_views(self.recvbuf, self.channel.size)
-        return scatter_add(out, all_indices.ravel(), all_values.ravel())
+        touched = all_indices.ravel()
+        scatter_add(out, touched, all_values.ravel())
+        return touched

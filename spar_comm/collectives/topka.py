@@ -26,4 +26,7 @@ class TopKAllgatherAllreducer(Allreducer):
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
         acc = self.with_residual(grad)
         indices, values = self.select(self.selector, acc, self.k)
-        return self.exchange(indices, values, np.zeros(self.size, self.dtype))
+        out = np.zeros(self.size, self.dtype)
+        touched = self.exchange(indices, values, out)
+        out[touched] = self.averaged(out[touched])
+        return out
