@@ -25,6 +25,7 @@ from typing import List, NoReturn, Optional  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from spar_comm import ALGORITHMS  # noqa: E402
+from spar_comm.collectives import AUTO  # noqa: E402
 from spar_comm.errors import ConfigError, SparCommError  # noqa: E402
 from spar_comm.topology import ENV_RANKS_PER_NODE  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
@@ -54,7 +55,8 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def make_parser() -> RankZeroParser:
     p = RankZeroParser(prog="train.py", description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     comm = p.add_argument_group("communication")
-    comm.add_argument("--algorithm", default=DEFAULTS.algorithm, choices=list(ALGORITHMS), help="gradient allreduce")
+    comm.add_argument("--algorithm", default=DEFAULTS.algorithm, choices=[*ALGORITHMS, AUTO],
+                      help="gradient allreduce; auto: the one the cost model predicts fastest")
     comm.add_argument("--selector", default=DEFAULTS.selector, help="top-k method of spar_comm.kernels")
     comm.add_argument("--density", type=float, default=DEFAULTS.density, help="fraction of gradient entries sent")
     comm.add_argument("--ranks-per-node", type=int,

@@ -98,12 +98,8 @@ class FusedAllreduce:
 
     def residual(self) -> Tuple[Tuple[int, int], np.ndarray]:
         """This rank's error-feedback residual: its global range and values."""
-        # TODO(collectives): use a public residual_state() once the allreducers have one.
-        return self.reducer._residual_range, self.reducer._residual
+        return self.reducer.residual_state()
 
     def load_residual(self, span: Tuple[int, int], values: np.ndarray) -> None:
         """Restore a residual saved by ``residual()`` on the same rank and layout."""
-        mine, current = self.residual()
-        if tuple(span) != tuple(mine) or values.shape != current.shape:
-            raise ConfigError(f"checkpoint residual covers {tuple(span)}, this rank's covers {tuple(mine)}")
-        current[...] = values
+        self.reducer.load_residual_state(span, values)
