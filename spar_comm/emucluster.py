@@ -139,13 +139,18 @@ def _delay_seconds(delay: str) -> float:
     return float(number) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
 
 
-def _burst_bytes(rate: str) -> int:
-    """A bucket that holds about 2 ms of traffic (at least 64 KiB): enough for
-    the timer granularity, small enough to keep the rate honest."""
+def rate_bits_per_second(rate: str) -> float:
+    """A tc rate such as ``1gbit`` or ``100mbps`` in bits per second."""
     number, unit = re.match(r"^([\d.]+)(\D+)$", rate).groups()
     scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
              "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}[unit]
-    return max(65536, int(float(number) * scale / 8 * 0.002))
+    return float(number) * scale
+
+
+def _burst_bytes(rate: str) -> int:
+    """A bucket that holds about 2 ms of traffic (at least 64 KiB): enough for
+    the timer granularity, small enough to keep the rate honest."""
+    return max(65536, int(rate_bits_per_second(rate) / 8 * 0.002))
 
 
 def _launcher_script(spec: ClusterSpec) -> str:
