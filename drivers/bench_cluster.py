@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 from spar_comm import ALGORITHMS, emucluster
+from spar_comm.cli import comma_list
+from spar_comm.training.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
 DENSE = ("dense", "hier_dense")
@@ -37,40 +39,30 @@ def layouts(text: str) -> list:
     return pairs
 
 
-def csv(kind):
-    def parse(text: str) -> list:
-        try:
-            values = [kind(v) for v in text.split(",") if v]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad list {text!r}")
-        if not values:
-            raise argparse.ArgumentTypeError("empty list")
-        return values
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_cluster.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", type=layouts, default=[(2, 2), (4, 1)], help="HOSTSxRANKS list (default: 2x2,4x1)")
-    parser.add_argument("--rates", type=csv(str), default=["100mbit", "1gbit", "10gbit"],
+    parser.add_argument("--rates", type=comma_list(str, emucluster.RATE.match, "a tc rate such as 100mbit"), default=["100mbit", "1gbit", "10gbit"],
                         help="link rates, tc syntax (default: 100mbit,1gbit,10gbit)")
-    parser.add_argument("--sizes", type=csv(int), default=[1 << 22, 1 << 24], help="elements (default: 2^22,2^24)")
-    parser.add_argument("--densities", type=csv(float), default=[0.001, 0.01], help="(default: 0.001,0.01)")
-    parser.add_argument("--algorithms", type=csv(str), default=list(ALGORITHMS))
+    parser.add_argument("--sizes", type=comma_list(int, lambda n: n >= 1, "an integer >= 1"), default=[1 << 22, 1 << 24], help="elements (default: 2^22,2^24)")
+    parser.add_argument("--densities", type=comma_list(float, lambda d: 0 < d <= 1, "in (0, 1]"), default=[0.001, 0.01], help="(default: 0.001,0.01)")
+    parser.add_argument("--algorithms", type=comma_list(str, ALGORITHMS.__contains__, f"one of {', '.join(ALGORITHMS)}"),
+                        default=list(ALGORITHMS))
     parser.add_argument("--selector", default=None, help="top-k method (default: bench_comm's)")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per cell (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per cell (default: %(default)s)")
     parser.add_argument("--limit", type=float, default=1200, help="seconds one bench_comm run may take")
     parser.add_argument("--prefix", default="spb", help="name prefix of the cluster made (default: %(default)s)")
     parser.add_argument("--out", help="JSON results")
+    parser.add_argument("--train", type=lambda text: [a for a in text.split(",") if a], default=["dense", "hitopk"],
+                        help="algorithms whose default training run is timed to --target accuracy "
+                             "on the first layout at --train-rate ('' for none; default: dense,hitopk)")
+    parser.add_argument("--train-rate", default="1gbit", help="link rate of the training runs (default: %(default)s)")
+    parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach (default: %(default)s)")
+    parser.add_argument("--skip-bench", action="store_true", help="only the training runs")
     args = parser.parse_args(argv)
-    for rate in args.rates:
-        if not emucluster.RATE.match(rate):
-            parser.error(f"rate {rate!r} is not a tc rate such as 100mbit, 1gbit")
-    if min(args.sizes) < 1 or not all(0 < d <= 1 for d in args.densities):
-        parser.error("sizes must be >= 1 and densities in (0, 1]")
-    unknown = set(args.algorithms) - set(ALGORITHMS)
+    unknown = set(args.train) - set(ALGORITHMS)
     if unknown:
         parser.error(f"unknown algorithm(s) {', '.join(sorted(unknown))}")
     if args.out and not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):
@@ -92,6 +84,30 @@ def run_bench_comm(spec, args, density: float, algorithms: list) -> dict:
         if result.returncode != 0:
             raise RuntimeError(f"bench_comm failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         return json.loads(Path(out).read_text())
+
+
+def time_to_accuracy(spec, algorithm: str, target: float, limit: float) -> dict:
+    """The default training run across the emulated hosts: wall seconds until the
+    held-out accuracy first reaches ``target``, from the run's trace."""
+    with tempfile.TemporaryDirectory() as folder:
+        trace_path = os.path.join(folder, "train.h5")
+        command = [sys.executable, str(HERE / "train.py"), "--algorithm", algorithm, "--ranks-per-node", "0",
+                   "--trace", trace_path, "--no-progress"]
+        result = subprocess.run(emucluster.mpiexec_command(spec, command), capture_output=True, text=True,
+                                timeout=limit)
+        if result.returncode != 0:
+            raise RuntimeError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        evals = read_trace(trace_path).data
+        reached = [i for i, metric in enumerate(evals["eval/test_metric"]) if metric >= target]
+        return {
+            "algorithm": algorithm,
+            "target": target,
+            "seconds_to_target": float(evals["eval/wall"][reached[0]]) if reached else None,
+            "epoch_to_target": int(evals["eval/epoch"][reached[0]]) if reached else None,
+            "final_metric": float(evals["eval/test_metric"][-1]),
+            "total_seconds": float(evals["eval/wall"][-1]),
+            "summary": result.stdout.strip().splitlines()[-1],
+        }
 
 
 def table(records: list) -> str:
@@ -116,13 +132,13 @@ def main() -> int:
     if reason:
         print(f"bench_cluster.py: error: {reason}", file=sys.stderr)
         return 2
-    records, document = [], {"meta": vars(args).copy(), "records": []}
+    records, document = [], {"meta": vars(args).copy(), "records": [], "training": []}
     document["meta"]["layouts"] = [f"{h}x{r}" for h, r in args.layouts]
-    for hosts, ranks in args.layouts:
+    for number, (hosts, ranks) in enumerate(args.layouts):
         emucluster.down(args.prefix)
         spec = emucluster.up(emucluster.ClusterSpec(hosts, ranks, args.rates[0], "0us", args.prefix))
         try:
-            for rate in args.rates:
+            for rate in [] if args.skip_bench else args.rates:
                 spec = emucluster.reshape(spec, rate, "0us")
                 for i, density in enumerate(args.densities):
                     algorithms = [a for a in args.algorithms if i == 0 or a not in DENSE]
@@ -136,9 +152,23 @@ def main() -> int:
                     document["bench_comm_meta"] = result["meta"]
                     if args.out:
                         _write(args.out, document)
+            if number == 0 and args.train:
+                spec = emucluster.reshape(spec, args.train_rate, "0us")
+                for algorithm in args.train:
+                    print(f"# training with {algorithm} on {hosts}x{ranks} at {args.train_rate}", flush=True)
+                    run = time_to_accuracy(spec, algorithm, args.target, args.limit)
+                    document["training"].append({"layout": f"{hosts}x{ranks}", "rate": args.train_rate, **run})
+                    if args.out:
+                        _write(args.out, document)
         finally:
             emucluster.down(args.prefix)
-    print(table(records))
+    if records:
+        print(table(records))
+    for run in document["training"]:
+        reached = (f"{run['seconds_to_target']:.2f} s (epoch {run['epoch_to_target']})"
+                   if run["seconds_to_target"] is not None else "never")
+        print(f"training {run['algorithm']:<8} on {run['layout']} at {run['rate']}: {run['target']:.0%} held-out "
+              f"accuracy after {reached}; final {run['final_metric']:.4f} in {run['total_seconds']:.2f} s")
     return 0
 
 

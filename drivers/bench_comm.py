@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -25,36 +24,17 @@ from mpi4py import MPI
 import spar_comm
 from spar_comm import ALGORITHMS, Topology, make_allreducer
 from spar_comm.kernels import SELECTORS
+from spar_comm.cli import comma_list, density
 from spar_comm.launch import run_main
 
 FIGURES = ("t_select", "t_intra", "t_inter")
-
-
-def positive_ints(text: str) -> list:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"sizes must be positive integers, got {text!r}")
-    return values
-
-
-def density(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"density must be in (0, 1], got {value}")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bench_comm.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", type=positive_ints, default=[262144, 1048576, 4194304],
+    parser.add_argument("--sizes", type=comma_list(int, lambda n: n >= 1, "an integer >= 1"), default=[262144, 1048576, 4194304],
                         help="gradient sizes in elements, comma-separated (default: 2^18,2^20,2^22)")
     parser.add_argument("--density", type=density, default=0.001, help="fraction selected (default: %(default)s)")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS),

@@ -33,36 +33,11 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from spar_comm.cli import comma_list, positive_int
 from spar_comm.kernels import SELECTORS, make_selector
 from spar_comm.kernels.selection import exact_topk
 
 BASELINES = ("argpartition", "torch.topk", "floor")
-
-
-def comma_list(kind: Callable, check: Callable[[float], bool], rule: str) -> Callable[[str], list]:
-    """An argparse type for a comma-separated list whose every item passes ``check``."""
-
-    def parse(text: str) -> list:
-        try:
-            items = [kind(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}s")
-        bad = [i for i in items if not check(i)]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"every item must be {rule}, got {text!r}")
-        return items
-
-    return parse
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

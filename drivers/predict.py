@@ -26,9 +26,10 @@ import math
 import re
 import sys
 from statistics import median
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from spar_comm import costmodel
+from spar_comm.cli import density, positive_float, positive_int
 from spar_comm.costmodel import CalibrationError, Cluster, Machine
 from spar_comm.costmodel.calibrate import measurements, read
 from spar_comm.kernels import SELECTORS
@@ -53,34 +54,6 @@ def counts(text: str) -> List[int]:
     return [count(part) for part in text.split(",") if part.strip()] or [count(text)]
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-def density(text: str) -> float:
-    value = positive_float(text) if text.strip() not in ("0", "0.0") else 0.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"density must be in (0, 1], got {text}")
-    return value
-
-
-# -- predicting ------------------------------------------------------------------------
 def machine_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Machine:
     if args.calibration:
         try:

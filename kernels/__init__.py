@@ -5,7 +5,7 @@ the collectives in ``spar_comm`` call into it.
 """
 from .selection import SELECTORS, Selector, make_selector, register, topk
 from .finite import all_finite
-from .sparse import scatter_add
+from .sparse import scatter_add, sorted_distinct
 from . import mstopk, threshold  # noqa: E402,F401  (register their methods)
 
-__all__ = ["all_finite", "SELECTORS", "Selector", "make_selector", "register", "scatter_add", "topk"]
+__all__ = ["all_finite", "SELECTORS", "Selector", "make_selector", "register", "scatter_add", "sorted_distinct", "topk"]

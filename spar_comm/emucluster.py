@@ -22,13 +22,13 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 PREFIX = "spc"
 IFACE = "emu0"  # the interface name inside every host, so FI_TCP_IFACE is one value
-SUBNET = "198.18.0"  # 198.18.0.0/15 is set aside for network benchmarks (RFC 2544)
 STATE_ROOT = Path(os.environ.get("SPAR_COMM_EMU_STATE", "/run/spar_comm_emucluster"))
 RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
 DELAY = re.compile(r"^\d+(\.\d+)?(s|ms|us)$")
@@ -66,7 +66,13 @@ class ClusterSpec:
         if problems:
             raise ValueError("; ".join(problems))
         if not self.addresses:
-            self.addresses = [f"{SUBNET}.{10 + i}" for i in range(self.hosts)]
+            self.addresses = [f"{self.subnet}.{10 + i}" for i in range(self.hosts)]
+
+    @property
+    def subnet(self) -> str:
+        """198.18.0.0/15 is set aside for network benchmarks (RFC 2544); each prefix
+        takes its own /24 of it, so clusters of different prefixes can coexist."""
+        return f"198.18.{zlib.crc32(self.prefix.encode()) % 254 + 1}"
 
     def namespace(self, i: int) -> str:
         return f"{self.prefix}-h{i}"
@@ -177,9 +183,11 @@ def up(spec: ClusterSpec) -> ClusterSpec:
     check_privileges()
     if existing(spec.prefix):
         raise EmuClusterError(f"an emulated cluster with prefix {spec.prefix!r} is up already: run `down` first")
+    if f" {spec.subnet}.1/" in _run("ip", "-o", "addr", "show", check=False).stdout:
+        raise EmuClusterError(f"{spec.subnet}.0/24 is in use already; choose another --prefix")
     try:
         _run("ip", "link", "add", spec.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", spec.bridge)
+        _run("ip", "addr", "add", f"{spec.subnet}.1/24", "dev", spec.bridge)
         _run("ip", "link", "set", spec.bridge, "up")
         for i, address in enumerate(spec.addresses):
             ns = spec.namespace(i)

@@ -13,6 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
+
+from mpi_helpers import layouts
+from spar_comm import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,3 +41,12 @@ def run_driver():
         )
 
     return run
+
+
+@pytest.fixture(scope="module", params=list(layouts(MPI.COMM_WORLD.size)), ids=lambda r: f"rpn{r}")
+def topology(request):
+    """A topology of emulated nodes, once for every node size worth testing at
+    this world size (MPI tests; a module may define its own)."""
+    topo = Topology(ranks_per_node=request.param)
+    yield topo
+    topo.free()

@@ -4,7 +4,6 @@ import json
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from spar_comm import Topology, make_allreducer
 

@@ -30,8 +30,8 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--sizes", "0"], "sizes must be positive"),
-        (["--sizes", "1k"], "comma-separated integers"),
+        (["--sizes", "0"], "every item must be an integer >= 1"),
+        (["--sizes", "1k"], "is not a comma-separated list of ints"),
         (["--density", "0"], "density must be in (0, 1]"),
         (["--algorithms", "dense,fast"], "unknown algorithm(s) fast"),
         (["--selector", "nope"], "invalid choice"),

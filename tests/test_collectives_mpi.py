@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all, assert_identical_bits, layouts
+from mpi_helpers import assert_all, assert_identical_bits
 from reference import Reference
-from spar_comm import ALGORITHMS, Topology, make_allreducer
+from spar_comm import ALGORITHMS, make_allreducer
 
 COMM = MPI.COMM_WORLD
 STEPS = 4
@@ -21,13 +21,6 @@ def integer_grads(seed: int, step: int, p: int, n: int, dtype) -> list:
     magnitudes are common, which exercises the tie rule."""
     rng = np.random.default_rng([seed, step])
     return [(rng.integers(-(2**12), 2**12, n) * 2.0**-6).astype(dtype) for _ in range(p)]
-
-
-@pytest.fixture(scope="module", params=list(layouts(COMM.size)), ids=lambda r: f"rpn{r}")
-def topology(request):
-    topo = Topology(ranks_per_node=request.param)
-    yield topo
-    topo.free()
 
 
 @pytest.mark.mpi(min_size=1)

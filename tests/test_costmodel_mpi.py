@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all, assert_identical_bits, layouts
+from mpi_helpers import assert_all, assert_identical_bits
 from spar_comm import ALGORITHMS, ConfigError, Topology, make_allreducer
 from spar_comm.costmodel import GPU
 from spar_comm.costmodel.auto import ENV_CALIBRATION
 
 COMM = MPI.COMM_WORLD
-
-
-@pytest.fixture(scope="module", params=list(layouts(COMM.size)), ids=lambda r: f"rpn{r}")
-def topology(request):
-    topo = Topology(ranks_per_node=request.param)
-    yield topo
-    topo.free()
 
 
 @pytest.mark.mpi(min_size=1)

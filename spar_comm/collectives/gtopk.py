@@ -16,7 +16,7 @@ from typing import Tuple
 
 import numpy as np
 
-from ..kernels import topk
+from ..kernels import sorted_distinct, topk
 from .base import Allreducer, selection_size
 from .pairs import PairLayout
 
@@ -67,7 +67,7 @@ class GTopKAllreducer(Allreducer):
         """Sum two sets on the union of their indices; keep the k largest, and put
         the dropped partial sums into this rank's residual."""
         start = time.perf_counter()
-        union = np.union1d(ia, ib)
+        union = sorted_distinct(np.concatenate((ia, ib)))
         summed = np.zeros(union.size, dtype=self.dtype)
         summed[np.searchsorted(union, ia)] += va
         summed[np.searchsorted(union, ib)] += vb
@@ -78,3 +78,4 @@ class GTopKAllreducer(Allreducer):
             self._residual[union[dropped]] += summed[dropped]
         self.last["t_select"] += time.perf_counter() - start
         return union[keep], summed[keep]
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import sorted_distinct
 from ..topology import shard_bounds
 from .base import Allreducer, selection_size
 from .pairs import PairExchange, PairLayout
@@ -42,26 +43,36 @@ class HiTopKAllreducer(Allreducer):
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
         self.region = np.empty(self.hi - self.lo, dtype=self.dtype)
+        self.reduced = np.zeros(self.hi - self.lo, dtype=self.dtype)
         self.keep_residual(self.lo, self.hi)
         self._count = np.zeros(1, dtype=np.int64)
         self._counts = np.zeros(self.local.size, dtype=np.int64)
 
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
-        self.local.reduce_scatter(grad, self.region, self.counts)
-        acc = self.with_residual(self.region)
-        reduced = np.zeros_like(self.region)
+        region = grad  # a lone rank of its node holds its node's sum already
+        if self.local.size > 1:
+            region = self.region
+            self.local.reduce_scatter(grad, region, self.counts)
+        acc = self.with_residual(region)
+        reduced = self.reduced  # zero outside the positions touched below
+        touched = []
         for site in self.sites:
             indices, values = self.select(site.selector, acc[site.lo : site.hi], site.k)
-            site.exchange(indices, values, reduced[site.lo : site.hi])
-        nonzero = np.flatnonzero(reduced)
-        reduced[nonzero] = self.averaged(reduced[nonzero])
-        if self.local.size == 1:
-            return reduced
-        return self._share_in_node(reduced, nonzero)
+            touched.append(site.exchange(indices, values, reduced[site.lo : site.hi]) + site.lo)
+        positions = sorted_distinct(np.concatenate(touched))
+        reduced[positions] = self.averaged(reduced[positions])
+        try:
+            if self.local.size == 1:
+                out = np.zeros(self.size, dtype=self.dtype)
+                out[positions] = reduced[positions]
+                return out
+            return self._share_in_node(reduced, positions)
+        finally:
+            reduced[positions] = 0
 
-    def _share_in_node(self, reduced: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
+    def _share_in_node(self, reduced: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Local Allgather of every rank's reduced region, sparse when that is smaller."""
-        self._count[0] = nonzero.size
+        self._count[0] = positions.size
         self.local.allgather(self._count, self._counts)
         layouts = [PairLayout(int(u), self.dtype) for u in self._counts]
         sparse_bytes = sum(layout.nbytes for layout in layouts)
@@ -72,8 +83,8 @@ class HiTopKAllreducer(Allreducer):
         mine = layouts[self.local.rank]
         sendbuf = mine.empty()
         values, indices = mine.views(sendbuf)
-        values[:] = reduced[nonzero]
-        indices[:] = nonzero
+        values[:] = reduced[positions]
+        indices[:] = positions
         recvbuf = np.empty(sparse_bytes, dtype=np.uint8)
         self.local.allgatherv(sendbuf, recvbuf, [layout.nbytes for layout in layouts])
         start = 0
