@@ -2,8 +2,9 @@
 """Measure every allreduce algorithm at several gradient sizes.
 
 Each call is timed on every rank and the slowest rank's time counts; the
-figure reported is the median over --repeat calls after --warmup calls. The
-table shows time, selection and communication time, and the bytes each rank
+figure reported is the median over --repeat calls after --warmup calls. Each
+call reduces into one output buffer kept from call to call, as a training
+loop does (``allreduce(grad, out=buffer)``). The table shows time, selection and communication time, and the bytes each rank
 sends inside and between nodes (ring model, see spar_comm.collectives.channel).
 The JSON written to --out (after every size, so a killed run keeps what it
 measured) is what the cost model is fitted on.
@@ -67,13 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(reducer, grad: np.ndarray, warmup: int, repeat: int) -> dict:
     """Median of the slowest rank's time per call, and of the call's figures."""
     world = reducer.topology.world
+    out = np.empty_like(grad)  # a training loop reduces into a buffer it keeps
     for _ in range(warmup):
-        reducer.allreduce(grad)
+        reducer.allreduce(grad, out=out)
     rows = np.zeros((repeat, 1 + len(FIGURES)))
     for i in range(repeat):
         world.Barrier()
         start = MPI.Wtime()
-        reducer.allreduce(grad)
+        reducer.allreduce(grad, out=out)
         rows[i, 0] = MPI.Wtime() - start
         rows[i, 1:] = [reducer.last[name] for name in FIGURES]
     slowest = np.empty_like(rows)
@@ -132,6 +134,7 @@ def main() -> int:
             row = {"algorithm": algorithm, "size": size, "nbytes": grad.nbytes,
                    **measure(reducer, grad, args.warmup, args.repeat)}
             results.append(row)
+            reducer.free()
             dense_time = row["time_median"] if algorithm == "dense" else dense_time
             if lead:
                 ratio = f"{dense_time / row['time_median']:7.1f}x" if dense_time else f"{'':>8}"

@@ -70,6 +70,7 @@ class Topology:
         else:
             self.local = self.world.Split(color=rank // emulated, key=rank)
         self.emulated_ranks_per_node = emulated
+        self.local_shares_memory: bool = emulated is None or self._local_within_shared_memory()
         self.local_rank: int = self.local.rank
         self.local_size: int = self.local.size
 
@@ -100,6 +101,14 @@ class Topology:
                 rail_j = self.world.Split(color=color, key=self.node)
                 if rail_j != MPI.COMM_NULL:
                     self.rails[j] = rail_j
+
+    def _local_within_shared_memory(self) -> bool:
+        """Whether every rank of my (emulated) node can map my memory."""
+        shared = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.world.rank)
+        placed = MPI.Group.Translate_ranks(self.local.group, list(range(self.local.size)), shared.group)
+        shared.Free()
+        inside = int(MPI.UNDEFINED not in placed)
+        return bool(self.local.allreduce(inside, op=MPI.MIN))
 
     @property
     def equal_nodes(self) -> bool:

@@ -34,7 +34,8 @@ def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extr
         sys.executable, "-m", "pytest", "--with-mpi", "-m", "mpi", "-q", "-rfE",
         "-p", "no:cacheprovider", f"--timeout={test_limit}", "--timeout-method=thread", *extra,
     ]
-    env = dict(os.environ, SPAR_COMM_RANKS_PER_NODE=str(ranks_per_node))
+    marker = f"{os.getpid()}-{ranks}-{time.monotonic_ns()}"
+    env = dict(os.environ, SPAR_COMM_RANKS_PER_NODE=str(ranks_per_node), SPAR_COMM_TEST_LAUNCH=marker)
     start = time.monotonic()
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -45,6 +46,7 @@ def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extr
         timed_out = False
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
+        kill_marked(marker)  # ranks the launcher started outside its process group
         output, _ = process.communicate()
         timed_out = True
     per_rank = {-1: output.splitlines()}
@@ -59,6 +61,18 @@ def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extr
     ok = not timed_out and process.returncode == 0 and summary.get("failed", 0) == 0
     return dict(ok=ok, timed_out=timed_out, code=process.returncode, summary=summary,
                 per_rank=per_rank, seconds=time.monotonic() - start)
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment carries this launch's marker."""
+    needle = f"SPAR_COMM_TEST_LAUNCH={marker}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if needle in environ.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def exec_with_rank_log(folder: str, command: list) -> None:

@@ -121,3 +121,13 @@ def test_topology_disagreement():
     rpn = 2 if COMM.rank == LAST else 1
     message = raised_everywhere(ConfigError, lambda: Topology(ranks_per_node=rpn))
     assert_all(COMM, "disagree" in message, message)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("out", [np.zeros(99, np.float32), np.zeros(100, np.float64), np.zeros(200, np.float32)[::2]],
+                         ids=["length", "dtype", "strided"])
+def test_bad_out_on_one_rank(topology, out):
+    reducer = make_allreducer("hitopk", topology, 100, "float32", density=0.1, selector="exact")
+    target = out if COMM.rank == LAST else None
+    message = raised_everywhere(GradientError, lambda: reducer.allreduce(GOOD, out=target))
+    assert_all(COMM, f"rank {LAST}: out is not" in message, message)

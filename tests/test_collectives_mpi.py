@@ -9,6 +9,8 @@ from mpi4py import MPI
 from mpi_helpers import assert_all, assert_identical_bits
 from reference import Reference
 from spar_comm import ALGORITHMS, make_allreducer
+from spar_comm.collectives.channel import Channel
+from spar_comm.collectives.shm import ENV_SHARED_MEMORY, MessageReduceScatter, SharedReduceScatter
 
 COMM = MPI.COMM_WORLD
 STEPS = 4
@@ -44,6 +46,7 @@ def test_matches_serial_reference(topology, algorithm, dtype, n, density):
             f"step {step}: residual differs from the reference",
         )
         assert_identical_bits(COMM, out, "output")
+    reducer.free()
 
 
 @pytest.mark.mpi(min_size=1)
@@ -102,3 +105,58 @@ def test_accounting(topology, algorithm):
         expected = 2 * (COMM.size - 1) * n * 4 // COMM.size
         key = "bytes_inter" if topology.num_nodes > 1 else "bytes_intra"
         assert_all(COMM, last[key] == expected, f"dense sent {last[key]}, ring model says {expected}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["hier_dense", "hitopk"])
+def test_message_passing_reduce_scatter_matches_too(topology, algorithm, monkeypatch):
+    """With SPAR_COMM_SHM=0 the node's Reduce_scatter is MPI's own; same bits."""
+    monkeypatch.setenv(ENV_SHARED_MEMORY, "0")
+    p, rank, n = COMM.size, COMM.rank, 1037
+    reducer = make_allreducer(algorithm, topology, n, "float32", density=0.05, selector="exact")
+    assert_all(COMM, isinstance(reducer.reduce_scatter, MessageReduceScatter), type(reducer.reduce_scatter).__name__)
+    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, n, "float32", 0.05)
+    for step in range(3):
+        grads = integer_grads(5, step, p, n, "float32")
+        assert_all(COMM, np.array_equal(reducer.allreduce(grads[rank]), ref.step(grads)), f"step {step}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [1, 5, 999, 10_007])
+def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
+    """A small window forces many rounds; the result must equal MPI's Reduce_scatter."""
+    ledger = {"t_intra": 0.0, "bytes_intra": 0}
+    channel = Channel(topology.local, "intra", ledger)
+    counts = topology.local_shard_counts(n)
+    shared = SharedReduceScatter(channel, counts, np.dtype(dtype), slot_bytes=64 * 8)
+    grad = integer_grads(n, 0, COMM.size, n, dtype)[COMM.rank]
+    mine, theirs = (np.full(counts[topology.local_rank], np.nan, dtype) for _ in range(2))
+    for _ in range(2):  # the window is reused from call to call
+        shared(grad, mine)
+    channel.reduce_scatter(grad, theirs, counts)
+    shared.free()
+    assert_all(COMM, np.array_equal(mine, theirs), "shared-memory Reduce_scatter differs from MPI's")
+    booked = 3 * ((topology.local_size - 1) * grad.nbytes // topology.local_size)  # three calls
+    assert_all(COMM, ledger["bytes_intra"] == booked, f"bytes booked: {ledger}, expected {booked}")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_out_parameter_and_in_place(topology, algorithm):
+    """``out=grad`` (in place) and ``out=buffer`` give the bits of a new array."""
+    n, rank = 1037, COMM.rank
+    fresh, into, in_place = (
+        make_allreducer(algorithm, topology, n, "float32", density=0.05, selector="exact") for _ in range(3)
+    )
+    buffer = np.full(n, 7.0, np.float32)
+    for step in range(3):
+        grad = integer_grads(n, step, COMM.size, n, "float32")[rank]
+        expected = fresh.allreduce(grad)
+        assert_all(COMM, into.allreduce(grad, out=buffer) is buffer, "out= was not returned")
+        overwritten = grad.copy()
+        assert_all(COMM, in_place.allreduce(overwritten, out=overwritten) is overwritten, "out=grad not returned")
+        assert_all(COMM, np.array_equal(buffer, expected) and np.array_equal(overwritten, expected),
+                   f"step {step}: out= differs from a new array")
+    for reducer in (fresh, into, in_place):
+        reducer.free()

@@ -1,9 +1,11 @@
 """What every allreducer shares: settings checked across ranks, the per-call
 gradient check, error-feedback residuals, and the ``.last`` figures.
 
-A subclass implements ``_reduce(grad) -> new flat array`` (the sum over ranks,
-divided by their number through ``averaged`` when averaging) and says where
-its residual lives; the rest is here.
+A subclass implements ``_reduce(grad) -> flat array`` (the sum over ranks,
+divided by their number through ``averaged`` when averaging), taking its
+result array from ``output`` once it has read ``grad`` for the last time (the
+caller may pass ``out=grad``), and says where its residual lives; the rest is
+here.
 """
 from __future__ import annotations
 
@@ -45,14 +47,20 @@ _PROBLEMS = {
     8: "wrong dtype",
     16: "not contiguous",
     32: "non-finite values (NaN or Inf)",
+    64: "out is not a 1-D contiguous array of the gradient's length and dtype",
 }
 _NON_FINITE = 32
 
 
-def _problems_of(grad: Any, size: int, dtype: np.dtype) -> int:
+def _problems_of(grad: Any, out: Any, size: int, dtype: np.dtype) -> int:
     if not isinstance(grad, np.ndarray):
         return 1
     code = 0
+    if out is not None and not (
+        isinstance(out, np.ndarray) and out.shape == (size,) and out.dtype == dtype and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        code |= 64
     if grad.ndim != 1:
         code |= 2
     elif grad.size != size:
@@ -111,6 +119,7 @@ class Allreducer:
         self.error_feedback = bool(error_feedback)
         self.average = bool(average)
         self._code = np.zeros(1, dtype=np.int32)
+        self._out: Optional[np.ndarray] = None
         self._codes = np.zeros(world.size, dtype=np.int32)
         self.last: Dict[str, float] = self._fresh_ledger()
         self.world = self.channel(world, spans_nodes=True)
@@ -142,6 +151,16 @@ class Allreducer:
         self._residual += fresh
         return self._residual
 
+    def output(self, zeroed: bool) -> np.ndarray:
+        """The result array: the caller's ``out`` or a new one, zero-filled when
+        the algorithm writes only some positions."""
+        out = self._out
+        if out is None:
+            return np.zeros(self.size, self.dtype) if zeroed else np.empty(self.size, self.dtype)
+        if zeroed:
+            out.fill(0)
+        return out
+
     def averaged(self, values: np.ndarray) -> np.ndarray:
         """Divide by the world size in place when averaging. Each algorithm calls
         it where the fewest values are in hand (the k selected pairs, or a shard
@@ -167,15 +186,17 @@ class Allreducer:
         return indices, values
 
     # -- the public interface ----------------------------------------------------------
-    def allreduce(self, grad: np.ndarray) -> np.ndarray:
-        """The sum (or mean) of ``grad`` over all ranks, as a new array.
+    def allreduce(self, grad: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The sum (or mean) of ``grad`` over all ranks: a new array, or ``out``
+        when given (``out=grad`` reduces in place and saves an allocation).
 
         Every rank gets identical bits. A gradient refused on any rank raises
         GradientError on every rank and leaves the residuals as they were.
         """
         self.last = self._fresh_ledger()
         start = time.perf_counter()
-        self._check(grad)
+        self._check(grad, out)
+        self._out = out
         self.last["t_check"] = time.perf_counter() - start
         try:
             out = self._reduce(grad)
@@ -211,6 +232,10 @@ class Allreducer:
             )
         self._residual[...] = values
 
+    def free(self) -> None:
+        """Release what the allreducer holds beyond memory (a shared-memory window).
+        Collective; optional, since MPI_Finalize releases it too."""
+
     # -- internals ---------------------------------------------------------------------
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -225,9 +250,9 @@ class Allreducer:
             return self.last
         return ledger
 
-    def _check(self, grad: Any) -> None:
+    def _check(self, grad: Any, out: Any) -> None:
         """Gather every rank's verdict on its gradient; raise alike on all ranks."""
-        self._code[0] = _problems_of(grad, self.size, self.dtype)
+        self._code[0] = _problems_of(grad, out, self.size, self.dtype)
         self.topology.world.Allgather(self._code, self._codes)
         if not self._codes.any():
             return

@@ -30,7 +30,8 @@ class Channel:
         self._t, self._b = "t_" + kind, "bytes_" + kind
         self._ledger = ledger
 
-    def _book(self, start: float, nbytes: int) -> None:
+    def book(self, start: float, nbytes: int) -> None:
+        """Add the time since ``start`` and ``nbytes`` sent to the ledger."""
         self._ledger[self._t] += time.perf_counter() - start
         self._ledger[self._b] += int(nbytes)
 
@@ -39,43 +40,43 @@ class Channel:
         start = time.perf_counter()
         if self.size > 1:
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        self._book(start, 2 * (self.size - 1) * buf.nbytes // self.size)
+        self.book(start, 2 * (self.size - 1) * buf.nbytes // self.size)
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
         start = time.perf_counter()
         self.comm.Reduce_scatter(send, recv, list(counts), op=MPI.SUM)
-        self._book(start, (self.size - 1) * send.nbytes // self.size)
+        self.book(start, (self.size - 1) * send.nbytes // self.size)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Equal blocks: ``recv`` holds ``size`` copies of ``send``'s length."""
         start = time.perf_counter()
         self.comm.Allgather(send, recv)
-        self._book(start, (self.size - 1) * send.nbytes)
+        self.book(start, (self.size - 1) * send.nbytes)
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
         """Blocks of ``counts`` elements, placed one after another in ``recv``."""
         start = time.perf_counter()
         displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
         self.comm.Allgatherv(send, [recv, (list(counts), displs)])
-        self._book(start, (self.size - 1) * send.nbytes)
+        self.book(start, (self.size - 1) * send.nbytes)
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> None:
         start = time.perf_counter()
         self.comm.Bcast(buf, root=root)
-        self._book(start, buf.nbytes if self.rank == root and self.size > 1 else 0)
+        self.book(start, buf.nbytes if self.rank == root and self.size > 1 else 0)
 
     def reduce(self, send: np.ndarray, recv: np.ndarray, root: int = 0) -> None:
         start = time.perf_counter()
         self.comm.Reduce(send, recv, op=MPI.SUM, root=root)
-        self._book(start, send.nbytes if self.rank != root else 0)
+        self.book(start, send.nbytes if self.rank != root else 0)
 
     def send(self, buf: np.ndarray, dest: int, tag: int) -> None:
         start = time.perf_counter()
         self.comm.Send(buf, dest=dest, tag=tag)
-        self._book(start, buf.nbytes)
+        self.book(start, buf.nbytes)
 
     def recv(self, buf: np.ndarray, source: int, tag: int) -> None:
         start = time.perf_counter()
         self.comm.Recv(buf, source=source, tag=tag)
-        self._book(start, 0)
+        self.book(start, 0)
 

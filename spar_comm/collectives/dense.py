@@ -10,7 +10,9 @@ class DenseAllreducer(Allreducer):
     name = "dense"
 
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
-        out = grad.copy()
+        out = self.output(zeroed=False)
+        if out is not grad:
+            out[...] = grad
         self.world.allreduce(out)
         self.last["k"] = self.size
         return self.averaged(out)

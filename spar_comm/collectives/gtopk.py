@@ -54,7 +54,7 @@ class GTopKAllreducer(Allreducer):
             self._pack(indices, values)
         self.world.bcast(self.buf, root=0)
         values, indices = self.layout.views(self.buf)
-        out = np.zeros(self.size, dtype=self.dtype)
+        out = self.output(zeroed=True)
         out[indices] = self.averaged(values)
         return out
 

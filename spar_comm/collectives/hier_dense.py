@@ -9,6 +9,7 @@ import numpy as np
 
 from ..topology import shard_bounds
 from .base import Allreducer
+from .shm import node_reduce_scatter
 
 
 class HierDenseAllreducer(Allreducer):
@@ -19,16 +20,21 @@ class HierDenseAllreducer(Allreducer):
         self.local = self.channel(topology.local, spans_nodes=False)
         self.rails = {j: self.channel(c, spans_nodes=True) for j, c in topology.rails.items()}
         self.counts = topology.local_shard_counts(self.size)
+        self.reduce_scatter = node_reduce_scatter(self.local, self.counts, self.dtype, topology.local_shares_memory)
         self.lo, _ = topology.owned_range(self.size)
+        self.region = np.empty(self.counts[self.local.rank], dtype=self.dtype)
         self.shards = topology.shards_per_node
 
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
-        out = np.empty_like(grad)
-        region = np.empty(self.counts[self.local.rank], dtype=self.dtype)
-        self.local.reduce_scatter(grad, region, self.counts)
+        region = self.region
+        self.reduce_scatter(grad, region)
         for j, rail in self.rails.items():
             lo, hi = shard_bounds(self.size, self.shards, j)
             rail.allreduce(region[lo - self.lo : hi - self.lo])
+        out = self.output(zeroed=False)
         self.local.allgatherv(self.averaged(region), out, self.counts)
         self.last["k"] = self.size
         return out
+
+    def free(self) -> None:
+        self.reduce_scatter.free()

@@ -18,6 +18,7 @@ from ..kernels import sorted_distinct
 from ..topology import shard_bounds
 from .base import Allreducer, selection_size
 from .pairs import PairExchange, PairLayout
+from .shm import node_reduce_scatter
 
 
 class _Site:
@@ -39,6 +40,7 @@ class HiTopKAllreducer(Allreducer):
         super().__init__(topology, size, *args, **kwargs)
         self.local = self.channel(topology.local, spans_nodes=False)
         self.counts = topology.local_shard_counts(self.size)
+        self.reduce_scatter = node_reduce_scatter(self.local, self.counts, self.dtype, topology.local_shares_memory)
         self.offsets = np.concatenate(([0], np.cumsum(self.counts)[:-1])).tolist()
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
@@ -52,7 +54,7 @@ class HiTopKAllreducer(Allreducer):
         region = grad  # a lone rank of its node holds its node's sum already
         if self.local.size > 1:
             region = self.region
-            self.local.reduce_scatter(grad, region, self.counts)
+            self.reduce_scatter(grad, region)
         acc = self.with_residual(region)
         reduced = self.reduced  # zero outside the positions touched below
         touched = []
@@ -63,7 +65,7 @@ class HiTopKAllreducer(Allreducer):
         reduced[positions] = self.averaged(reduced[positions])
         try:
             if self.local.size == 1:
-                out = np.zeros(self.size, dtype=self.dtype)
+                out = self.output(zeroed=True)
                 out[positions] = reduced[positions]
                 return out
             return self._share_in_node(reduced, positions)
@@ -76,8 +78,9 @@ class HiTopKAllreducer(Allreducer):
         self.local.allgather(self._count, self._counts)
         layouts = [PairLayout(int(u), self.dtype) for u in self._counts]
         sparse_bytes = sum(layout.nbytes for layout in layouts)
-        out = np.zeros(self.size, dtype=self.dtype)
-        if sparse_bytes >= out.nbytes:
+        dense = sparse_bytes >= reduced.itemsize * self.size
+        out = self.output(zeroed=not dense)
+        if dense:
             self.local.allgatherv(reduced, out, self.counts)
             return out
         mine = layouts[self.local.rank]
@@ -93,3 +96,6 @@ class HiTopKAllreducer(Allreducer):
             out[offset + indices] = values
             start += layout.nbytes
         return out
+
+    def free(self) -> None:
+        self.reduce_scatter.free()

@@ -32,7 +32,7 @@ class HiTopKLeaderAllreducer(Allreducer):
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
         node_sum = np.empty_like(grad) if self.is_leader else None
         self.local.reduce(grad, node_sum)
-        out = np.zeros_like(grad)
+        out = self.output(zeroed=self.is_leader)
         if self.is_leader:
             acc = self.with_residual(node_sum)
             indices, values = self.select(self.selector, acc, self.k)

@@ -26,7 +26,7 @@ class TopKAllgatherAllreducer(Allreducer):
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
         acc = self.with_residual(grad)
         indices, values = self.select(self.selector, acc, self.k)
-        out = np.zeros(self.size, self.dtype)
+        out = self.output(zeroed=True)
         touched = self.exchange(indices, values, out)
         out[touched] = self.averaged(out[touched])
         return out

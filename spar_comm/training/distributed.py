@@ -92,8 +92,10 @@ class FusedAllreduce:
         return self.reducer.sparse
 
     def __call__(self, grad: Any, xp: Any) -> Any:
-        out = self.reducer.allreduce(to_host(grad))
-        grad[...] = xp.asarray(out, device=array_api_compat.device(grad))
+        host = to_host(grad)
+        self.reducer.allreduce(host, out=host)  # in place: no new array per step
+        if host is not grad:  # off the host (or a framework tensor): write the result back
+            grad[...] = xp.asarray(host, device=array_api_compat.device(grad))
         return grad
 
     def residual(self) -> Tuple[Tuple[int, int], np.ndarray]:
