@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from spar_comm import ALGORITHMS, emucluster
+from spar_comm import ALGORITHMS, costmodel, emucluster
 from spar_comm.cli import comma_list
 from spar_comm.training.trace import read_trace
 
@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-rate", default="1gbit", help="link rate of the training runs (default: %(default)s)")
     parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach (default: %(default)s)")
     parser.add_argument("--skip-bench", action="store_true", help="only the training runs")
+    parser.add_argument("--report", metavar="JSON", help="print the tables of an earlier --out file; run nothing")
     args = parser.parse_args(argv)
     unknown = set(args.train) - set(ALGORITHMS)
     if unknown:
@@ -110,6 +111,57 @@ def time_to_accuracy(spec, algorithm: str, target: float, limit: float) -> dict:
         }
 
 
+def model_check(records: list) -> list:
+    """The cost model against the cells: per link rate, fitted on the smallest
+    size and asked for the larger ones (held out), so each cell reports what
+    the model predicts for a size it has not seen."""
+    checked = []
+    for rate in sorted({r["rate"] for r in records}, key=emucluster.rate_bits_per_second):
+        rows = [r for r in records if r["rate"] == rate]
+        smallest = min(r["size"] for r in rows)
+
+        def measurement(r):
+            return costmodel.Measurement(costmodel.Cluster(r["hosts"], r["ranks_per_host"]), r["algorithm"], r["size"],
+                                         "float32", r["density"], r["selector"], r["time_median"], r["t_select"])
+
+        machine = costmodel.fit([measurement(r) for r in rows if r["size"] == smallest])
+        for r in rows:
+            if r["size"] != smallest:
+                predicted = machine.seconds(measurement(r).terms())
+                checked.append({"layout": r["layout"], "rate": rate, "size": r["size"], "density": r["density"],
+                                "algorithm": r["algorithm"], "measured": r["time_median"], "predicted": predicted,
+                                "error": abs(predicted - r["time_median"]) / r["time_median"]})
+    return checked
+
+
+def model_table(checked: list) -> str:
+    lines = [f"{'layout':>6} {'rate':>8} {'size':>9} {'density':>7} {'algorithm':<14} {'measured':>9} "
+             f"{'predicted':>9} {'error':>6}   (ms; model fitted per rate on the smallest size)"]
+    for c in checked:
+        lines.append(f"{c['layout']:>6} {c['rate']:>8} {c['size']:>9} {c['density']:>7} {c['algorithm']:<14} "
+                     f"{c['measured'] * 1e3:9.1f} {c['predicted'] * 1e3:9.1f} {c['error']:6.0%}")
+    errors = sorted(c["error"] for c in checked)
+    if errors:
+        lines.append(f"median error {errors[len(errors) // 2]:.0%} over {len(errors)} held-out cells")
+    return "\n".join(lines)
+
+
+def report(document: dict) -> None:
+    """Print the tables of a sweep: times per cell, the cost model per cell
+    (kept in the document), and the training runs."""
+    records = document["records"]
+    if records:
+        print(table(records))
+        if len({r["size"] for r in records}) > 1:
+            document["model_check"] = model_check(records)
+            print(model_table(document["model_check"]))
+    for run in document.get("training", []):
+        reached = (f"{run['seconds_to_target']:.2f} s (epoch {run['epoch_to_target']})"
+                   if run["seconds_to_target"] is not None else "never")
+        print(f"training {run['algorithm']:<8} on {run['layout']} at {run['rate']}: {run['target']:.0%} held-out "
+              f"accuracy after {reached}; final {run['final_metric']:.4f} in {run['total_seconds']:.2f} s")
+
+
 def table(records: list) -> str:
     algorithms = [a for a in ALGORITHMS if any(r["algorithm"] == a for r in records)]
     keys = sorted({(r["layout"], r["rate_bps"], r["rate"], r["size"], r["density"]) for r in records})
@@ -128,6 +180,9 @@ def table(records: list) -> str:
 
 def main() -> int:
     args = parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text()))
+        return 0
     reason = emucluster.available()
     if reason:
         print(f"bench_cluster.py: error: {reason}", file=sys.stderr)
@@ -147,7 +202,7 @@ def main() -> int:
                     for row in result["results"]:
                         records.append({"layout": f"{hosts}x{ranks}", "hosts": hosts, "ranks_per_host": ranks,
                                         "rate": rate, "rate_bps": emucluster.rate_bits_per_second(rate),
-                                        "density": density, **row})
+                                        "density": density, "selector": result["meta"]["selector"], **row})
                     document["records"] = records
                     document["bench_comm_meta"] = result["meta"]
                     if args.out:
@@ -162,13 +217,9 @@ def main() -> int:
                         _write(args.out, document)
         finally:
             emucluster.down(args.prefix)
-    if records:
-        print(table(records))
-    for run in document["training"]:
-        reached = (f"{run['seconds_to_target']:.2f} s (epoch {run['epoch_to_target']})"
-                   if run["seconds_to_target"] is not None else "never")
-        print(f"training {run['algorithm']:<8} on {run['layout']} at {run['rate']}: {run['target']:.0%} held-out "
-              f"accuracy after {reached}; final {run['final_metric']:.4f} in {run['total_seconds']:.2f} s")
+    report(document)
+    if args.out:
+        _write(args.out, document)
     return 0
 
 

@@ -81,7 +81,7 @@ def test_resume_refuses_changed_settings(tmp_path):
         (["--batch-size", "100000"], "larger than a rank's share"),
         (["--selector", "nope"], "unknown selector 'nope'"),
         (["--resume", "--checkpoint", "missing.h5"], "no checkpoint to resume"),
-        (["--device", "gpu"], "--device gpu needs CuPy"),
+        (["--device", "gpu"], "--device gpu is not built yet"),
         (["--trace", "/proc/no/such/t.h5"], "cannot write the trace /proc/no/such/t.h5"),
     ],
 )
