@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -80,8 +79,7 @@ def run_bench_comm(spec, args, density: float, algorithms: list) -> dict:
                    "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--out", out]
         if args.selector:
             command += ["--selector", args.selector]
-        result = subprocess.run(emucluster.mpiexec_command(spec, command), capture_output=True, text=True,
-                                timeout=args.limit)
+        result = emucluster.run(spec, command, timeout=args.limit)
         if result.returncode != 0:
             raise RuntimeError(f"bench_comm failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         return json.loads(Path(out).read_text())
@@ -94,8 +92,7 @@ def time_to_accuracy(spec, algorithm: str, target: float, limit: float) -> dict:
         trace_path = os.path.join(folder, "train.h5")
         command = [sys.executable, str(HERE / "train.py"), "--algorithm", algorithm, "--ranks-per-node", "0",
                    "--trace", trace_path, "--no-progress"]
-        result = subprocess.run(emucluster.mpiexec_command(spec, command), capture_output=True, text=True,
-                                timeout=limit)
+        result = emucluster.run(spec, command, timeout=limit)
         if result.returncode != 0:
             raise RuntimeError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         evals = read_trace(trace_path).data

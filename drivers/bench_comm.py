@@ -26,6 +26,7 @@ import spar_comm
 from spar_comm import ALGORITHMS, Topology, make_allreducer
 from spar_comm.kernels import SELECTORS
 from spar_comm.cli import comma_list, density
+from spar_comm.consensus import raise_if_any
 from spar_comm.launch import run_main
 
 FIGURES = ("t_select", "t_intra", "t_inter")
@@ -58,11 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--ranks-per-node must be >= 1")
     if args.repeat < 1 or args.warmup < 0:
         parser.error("--repeat must be >= 1 and --warmup >= 0")
-    if args.out:
-        folder = os.path.dirname(os.path.abspath(args.out))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            parser.error(f"cannot write --out {args.out}: {folder} is not a writable folder")
     return args
+
+
+def unwritable(path: str) -> str | None:
+    """Why rank 0 could not write ``path``, or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"cannot write --out {path}: {folder} is not a writable folder"
+    return None
 
 
 def measure(reducer, grad: np.ndarray, warmup: int, repeat: int) -> dict:
@@ -101,6 +106,8 @@ def main() -> int:
     topology = Topology(ranks_per_node=args.ranks_per_node)
     world = topology.world
     lead = world.rank == 0
+    # Only rank 0 writes, so only its view of the file system counts; all ranks agree.
+    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
     meta = {
         "tool": "bench_comm",
         "spar_comm_version": spar_comm.__version__,

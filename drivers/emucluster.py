@@ -61,8 +61,7 @@ def main() -> int:
             print(f"links now {spec.rate} each way, {spec.delay} delay")
         elif args.verb == "run":
             spec = emucluster.load(args.prefix)
-            command = emucluster.mpiexec_command(spec, args.command, args.mpiexec, args.n)
-            return subprocess.call(command)
+            return subprocess.call(emucluster.mpiexec_command(spec, args.command, args.mpiexec, args.n))
         elif args.verb == "status":
             spec = emucluster.load(args.prefix)
             print(f"{spec.hosts} hosts x {spec.ranks_per_host} ranks, {spec.rate} each way, {spec.delay} delay")

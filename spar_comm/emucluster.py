@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -284,3 +285,23 @@ def mpiexec_command(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional
         "-hosts", hosts, "-iface", spec.bridge, "-n", str(ranks or spec.hosts * spec.ranks_per_host),
         *env, *command,
     ]
+
+
+def run(spec: ClusterSpec, command: Sequence[str], timeout: Optional[float] = None,
+        capture: bool = True) -> subprocess.CompletedProcess:
+    """``command`` under mpiexec across the hosts. On a time-out the launcher's
+    process group and every process left in the hosts' namespaces are killed,
+    so nothing of the run survives it."""
+    process = subprocess.Popen(mpiexec_command(spec, command), start_new_session=True, text=True,
+                               stdout=subprocess.PIPE if capture else None,
+                               stderr=subprocess.PIPE if capture else None)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        for i in range(spec.hosts):
+            for pid in _run("ip", "netns", "pids", spec.namespace(i), check=False).stdout.split():
+                _run("kill", "-9", pid, check=False)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

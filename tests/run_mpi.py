@@ -105,7 +105,7 @@ def main() -> int:
         print(f"mpiexec -n {ranks} (SPAR_COMM_RANKS_PER_NODE={rpn}): {status} in {result['seconds']:.0f} s: {counts}",
               flush=True)
         if not result["ok"]:
-            failed += 0 if counts.get("failed") else 1
+            failed += 0 if counts.get("failed") or counts.get("error") else 1  # a crash or time-out
             for rank in sorted(result["per_rank"]):
                 print(f"---- output of rank {rank} ----" if rank >= 0 else "---- launcher ----")
                 print("\n".join(result["per_rank"][rank][-60:]))

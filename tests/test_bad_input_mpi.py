@@ -131,3 +131,38 @@ def test_bad_out_on_one_rank(topology, out):
     target = out if COMM.rank == LAST else None
     message = raised_everywhere(GradientError, lambda: reducer.allreduce(GOOD, out=target))
     assert_all(COMM, f"rank {LAST}: out is not" in message, message)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_bad_selector_options_refused_everywhere(topology, algorithm):
+    """Options are tried on every rank, also where a rank selects nothing (the
+    non-leaders of hitopk_leader, every rank of a dense algorithm)."""
+    message = raised_everywhere(
+        ConfigError,
+        lambda: make_allreducer(algorithm, topology, 100, selector="mstopk", selector_options={"bogus": 1}),
+    )
+    assert_all(COMM, "refused its options" in message, message)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_memory_setting_that_differs_between_ranks(topology, monkeypatch):
+    """SPAR_COMM_SHM=0 on one rank only: the node agrees on one Reduce_scatter."""
+    if COMM.rank == LAST:
+        monkeypatch.setenv("SPAR_COMM_SHM", "0")
+    reducer = make_allreducer("hitopk", topology, 1000, density=0.05, selector="exact")
+    kinds = topology.local.allgather(type(reducer.reduce_scatter).__name__)
+    assert_all(COMM, len(set(kinds)) == 1, f"ranks of a node chose {kinds}")
+    out = reducer.allreduce(np.ones(1000, np.float32))
+    assert_all(COMM, out.shape == (1000,), "no result")
+    reducer.free()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_residual_state_that_does_not_fit_is_refused_everywhere(topology):
+    reducer = make_allreducer("topka", topology, 100, density=0.1, selector="exact")
+    span, values = reducer.residual_state()
+    if COMM.rank == LAST:
+        span, values = (0, 99), values[:99]
+    message = raised_everywhere(ConfigError, lambda: reducer.load_residual_state(span, values))
+    assert_all(COMM, f"rank {LAST}: saved residual covers (0, 99)" in message or COMM.size == 1, message)

@@ -34,10 +34,8 @@ def test_inter_host_bytes_cross_the_shaped_links(cluster):
     the interfaces counted within 10% (TCP/IP headers and acknowledgements)."""
     size, calls = 1 << 20, 4
     before = emucluster.link_counters(cluster)
-    command = emucluster.mpiexec_command(
-        cluster, [sys.executable, str(ROOT / "tests" / "emu_bytes_probe.py"), "hier_dense", str(size), str(calls)]
-    )
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    probe = [sys.executable, str(ROOT / "tests" / "emu_bytes_probe.py"), "hier_dense", str(size), str(calls)]
+    result = emucluster.run(cluster, probe, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     after = emucluster.link_counters(cluster)

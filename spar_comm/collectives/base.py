@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from .. import kernels
 from ..consensus import raise_if_any, require_same
-from ..errors import ConfigError, GradientError, NonFiniteGradientError
+from ..errors import GradientError, NonFiniteGradientError
 from ..topology import Topology
 from .channel import Channel
 
@@ -94,7 +94,7 @@ class Allreducer:
         selector_options: Optional[Dict[str, Any]] = None,
     ):
         world = topology.world
-        problem = _check_settings(size, dtype, density, selector, self.sparse)
+        problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse)
         raise_if_any(world, problem)
         require_same(
             world,
@@ -200,6 +200,7 @@ class Allreducer:
         self.last["t_check"] = time.perf_counter() - start
         try:
             out = self._reduce(grad)
+            self._out = None  # the caller's buffer is not kept between calls
         except BaseException:
             # Inputs were checked on every rank, so this is a failure of this rank
             # alone (a bug, memory, an interrupt) while the others wait in a
@@ -224,12 +225,13 @@ class Allreducer:
 
     def load_residual_state(self, span: Tuple[int, int], values: np.ndarray) -> None:
         """Restore what ``residual_state`` returned on the same rank and layout.
-        Local, not collective: the caller agrees on success across ranks."""
+        Collective: a residual that does not fit on any rank raises ConfigError
+        on every rank, and nothing is loaded."""
+        problem = None
         if tuple(span) != tuple(self._residual_range) or np.shape(values) != self._residual.shape:
-            raise ConfigError(
-                f"saved residual covers {tuple(span)} with {np.shape(values)} values; "
-                f"this rank's covers {self._residual_range} with {self._residual.shape}"
-            )
+            problem = (f"saved residual covers {tuple(span)} with {np.shape(values)} values; "
+                       f"this rank's covers {self._residual_range} with {self._residual.shape}")
+        raise_if_any(self.topology.world, problem)
         self._residual[...] = values
 
     def free(self) -> None:
@@ -274,7 +276,8 @@ def _abort_job(comm: MPI.Comm, where: str) -> None:
     comm.Abort(1)
 
 
-def _check_settings(size: Any, dtype: Any, density: Any, selector: str, sparse: bool) -> Optional[str]:
+def _check_settings(size: Any, dtype: Any, density: Any, selector: str, selector_options: Dict[str, Any],
+                    sparse: bool) -> Optional[str]:
     """A message for the first bad setting, or None."""
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         return f"size must be a positive integer, got {size!r}"
@@ -290,4 +293,8 @@ def _check_settings(size: Any, dtype: Any, density: Any, selector: str, sparse: 
         return f"unknown selector {selector!r}; known: {', '.join(sorted(kernels.SELECTORS))}"
     if sparse and size > MAX_SHARD:
         return f"size {size} exceeds {MAX_SHARD}: sparse indices travel as int32"
+    try:  # built here on every rank, so that bad options are refused everywhere alike
+        kernels.make_selector(selector, **selector_options)
+    except (TypeError, ValueError) as error:
+        return f"selector {selector!r} refused its options {selector_options!r}: {error}"
     return None

@@ -3,7 +3,8 @@
 Every rank selects k pairs. Up a binomial tree (any rank count), a rank
 receives its child's k pairs, sums the two sets on the union of their
 indices and keeps the k of largest magnitude; the root broadcasts the final
-k pairs. Each rank sends k pairs about twice, whatever the world size.
+k pairs. Every rank but the root sends its k pairs once up the tree, and
+the root broadcasts k, whatever the world size.
 
 Conservation is exact: a merge that drops an entry keeps that partial sum in
 the merging rank's residual, so every value that does not reach the output

@@ -44,7 +44,7 @@ class HiTopKAllreducer(Allreducer):
         self.offsets = np.concatenate(([0], np.cumsum(self.counts)[:-1])).tolist()
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
-        self.region = np.empty(self.hi - self.lo, dtype=self.dtype)
+        self.region = np.empty(self.hi - self.lo if self.local.size > 1 else 0, dtype=self.dtype)
         self.reduced = np.zeros(self.hi - self.lo, dtype=self.dtype)
         self.keep_residual(self.lo, self.hi)
         self._count = np.zeros(1, dtype=np.int64)

@@ -24,13 +24,14 @@ class HiTopKLeaderAllreducer(Allreducer):
         self.is_leader = topology.leader != MPI.COMM_NULL
         if self.is_leader:
             self.k = selection_size(self.density, self.size)
+            self.node_sum = np.empty(self.size, dtype=self.dtype)
             leaders = self.channel(topology.leader, spans_nodes=True)
             self.exchange = PairExchange(leaders, self.k, self.dtype)
             self.selector = self.new_selector()
             self.keep_residual(0, self.size)
 
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
-        node_sum = np.empty_like(grad) if self.is_leader else None
+        node_sum = self.node_sum if self.is_leader else None
         self.local.reduce(grad, node_sum)
         out = self.output(zeroed=self.is_leader)
         if self.is_leader:

@@ -28,9 +28,10 @@ ENV_SHARED_MEMORY = "SPAR_COMM_SHM"
 def node_reduce_scatter(channel: Channel, counts: Sequence[int], dtype: np.dtype, shares_memory: bool):
     """The fastest Reduce_scatter the node allows, as ``reduce_scatter(send, recv)``.
 
-    Collective over the node (it may allocate a window); every rank of a node
-    sees the same topology and environment, so all choose alike."""
-    if channel.size > 1 and shares_memory and os.environ.get(ENV_SHARED_MEMORY, "1") != "0":
+    Collective over the node: its ranks agree on the choice (``SPAR_COMM_SHM``
+    may differ between them) before one window is allocated."""
+    wanted = int(shares_memory and os.environ.get(ENV_SHARED_MEMORY, "1") != "0")
+    if channel.size > 1 and channel.comm.allreduce(wanted, op=MPI.MIN):  # the node agrees
         return SharedReduceScatter(channel, counts, dtype)
     return MessageReduceScatter(channel, counts)
 
@@ -50,8 +51,10 @@ class MessageReduceScatter:
 
 # Windows still open when Python exits, freed before mpi4py's MPI_Finalize (an
 # atexit handler registered after mpi4py's runs first): MPICH's OFI netmod
-# cannot close its fabric while a window is open. Every rank exits through
-# here alike and frees the windows in the order they were made.
+# cannot close its fabric while a window is open. Win.Free is collective: this
+# assumes all ranks exit normally together (a rank failing alone aborts the job
+# instead). Strong references: a window dropped unfreed would leak in MPI and
+# break MPI_Finalize, so an allreducer's window lives until free() or exit.
 _OPEN: "Dict[int, SharedReduceScatter]" = {}
 
 

@@ -2,7 +2,8 @@
 
 Each rank adds its residual, selects k = ceil(density*n) entries, and the
 world allgathers the (index, value) pairs; every rank then sums them. Bytes
-per rank grow with the world size: (p-1)*k*(4+itemsize).
+per rank grow with the world size: (p-1) records of k values and k int32
+indices (each part padded to 8 bytes, see pairs.py).
 """
 from __future__ import annotations
 
