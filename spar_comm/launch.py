@@ -27,9 +27,14 @@ def run_main(main: Callable[[], int | None], prog: str) -> None:
             print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except BaseException:
-        rank = MPI.COMM_WORLD.rank
-        text = traceback.format_exc()
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        abort_job(MPI.COMM_WORLD, prog)
     sys.exit(code)
+
+
+def abort_job(comm: MPI.Comm, where: str) -> None:
+    """Print the exception being handled, each line prefixed with the rank, and
+    abort every rank of ``comm``: the others may be waiting in a collective."""
+    text = f"{where} failed:\n{traceback.format_exc()}"
+    sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
+    comm.Abort(1)

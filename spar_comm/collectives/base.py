@@ -10,9 +10,7 @@ here.
 from __future__ import annotations
 
 import math
-import sys
 import time
-import traceback
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,6 +20,7 @@ from mpi4py import MPI
 from .. import kernels
 from ..consensus import raise_if_any, require_same
 from ..errors import GradientError, NonFiniteGradientError
+from ..launch import abort_job
 from ..topology import Topology
 from .channel import Channel
 
@@ -205,7 +204,7 @@ class Allreducer:
             # Inputs were checked on every rank, so this is a failure of this rank
             # alone (a bug, memory, an interrupt) while the others wait in a
             # collective: end the whole job rather than leave them hanging.
-            _abort_job(self.topology.world, f"{self.name} allreduce")
+            abort_job(self.topology.world, f"{self.name} allreduce")
         if math.isinf(self.last["threshold"]):  # nothing was selected: a dense method
             self.last["threshold"] = 0.0
         self.last["t_total"] = time.perf_counter() - start
@@ -267,13 +266,6 @@ class Allreducer:
             f"{self.name} allreduce refused the gradient (expected 1-D contiguous "
             f"{self.dtype.name} of length {self.size}; nothing was changed): " + "; ".join(parts)
         )
-
-
-def _abort_job(comm: MPI.Comm, where: str) -> None:
-    text = traceback.format_exc()
-    sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in f"{where} failed:\n{text}".splitlines()))
-    sys.stderr.flush()
-    comm.Abort(1)
 
 
 def _check_settings(size: Any, dtype: Any, density: Any, selector: str, selector_options: Dict[str, Any],
