@@ -13,10 +13,15 @@ Bytes are what this rank sends under the ring model:
 from __future__ import annotations
 
 import time
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 from mpi4py import MPI
+
+
+def displacements(counts: Sequence[int]) -> List[int]:
+    """Where each of consecutive blocks of ``counts`` starts."""
+    return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
 
 
 class Channel:
@@ -56,8 +61,7 @@ class Channel:
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
         """Blocks of ``counts`` elements, placed one after another in ``recv``."""
         start = time.perf_counter()
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-        self.comm.Allgatherv(send, [recv, (list(counts), displs)])
+        self.comm.Allgatherv(send, [recv, (list(counts), displacements(counts))])
         self.book(start, (self.size - 1) * send.nbytes)
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> None:

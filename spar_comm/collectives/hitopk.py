@@ -17,6 +17,7 @@ import numpy as np
 from ..kernels import sorted_distinct
 from ..topology import shard_bounds
 from .base import Allreducer, selection_size
+from .channel import displacements
 from .pairs import PairExchange, PairLayout
 from .shm import node_reduce_scatter
 
@@ -41,7 +42,7 @@ class HiTopKAllreducer(Allreducer):
         self.local = self.channel(topology.local, spans_nodes=False)
         self.counts = topology.local_shard_counts(self.size)
         self.reduce_scatter = node_reduce_scatter(self.local, self.counts, self.dtype, topology.local_shares_memory)
-        self.offsets = np.concatenate(([0], np.cumsum(self.counts)[:-1])).tolist()
+        self.offsets = displacements(self.counts)
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
         self.region = np.empty(self.hi - self.lo if self.local.size > 1 else 0, dtype=self.dtype)

@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .channel import Channel
+from .channel import Channel, displacements
 
 #: Bytes of window per rank at most (one piece for every owner).
 SLOT_BYTES = 32 << 20
@@ -71,7 +71,7 @@ class SharedReduceScatter:
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype, slot_bytes: int = SLOT_BYTES):
         comm, g, itemsize = channel.comm, channel.size, np.dtype(dtype).itemsize
         self.channel, self.comm, self.counts = channel, comm, list(counts)
-        self.offsets = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
+        self.offsets = displacements(counts)
         self.piece = max(1, min(slot_bytes // itemsize // g, max(counts)))
         self.rounds = -(-max(self.counts) // self.piece)
         self.win = MPI.Win.Allocate_shared(g * self.piece * itemsize, itemsize, comm=comm)
