@@ -135,9 +135,13 @@ def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
     for _ in range(2):  # the window is reused from call to call
         shared(grad, mine)
     channel.reduce_scatter(grad, theirs, counts)
+    residual = np.arange(theirs.size, dtype=dtype) / 4
+    expected = residual + theirs
+    shared(grad, residual, accumulate=True)
     shared.free()
     assert_all(COMM, np.array_equal(mine, theirs), "shared-memory Reduce_scatter differs from MPI's")
-    booked = 3 * ((topology.local_size - 1) * grad.nbytes // topology.local_size)  # three calls
+    assert_all(COMM, np.array_equal(residual, expected), "accumulate=True did not add the sum to recv")
+    booked = 4 * ((topology.local_size - 1) * grad.nbytes // topology.local_size)  # four calls
     assert_all(COMM, ledger["bytes_intra"] == booked, f"bytes booked: {ledger}, expected {booked}")
 
 

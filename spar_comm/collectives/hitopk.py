@@ -45,18 +45,14 @@ class HiTopKAllreducer(Allreducer):
         self.offsets = displacements(self.counts)
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
-        self.region = np.empty(self.hi - self.lo if self.local.size > 1 else 0, dtype=self.dtype)
+        self.region = np.empty(self.hi - self.lo if self.local.size > 1 and not self.error_feedback else 0, self.dtype)
         self.reduced = np.zeros(self.hi - self.lo, dtype=self.dtype)
         self.keep_residual(self.lo, self.hi)
         self._count = np.zeros(1, dtype=np.int64)
         self._counts = np.zeros(self.local.size, dtype=np.int64)
 
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
-        region = grad  # a lone rank of its node holds its node's sum already
-        if self.local.size > 1:
-            region = self.region
-            self.reduce_scatter(grad, region)
-        acc = self.with_residual(region)
+        acc = self._node_sum_with_residual(grad)
         reduced = self.reduced  # zero outside the positions touched below
         touched = []
         for site in self.sites:
@@ -72,6 +68,16 @@ class HiTopKAllreducer(Allreducer):
             return self._share_in_node(reduced, positions)
         finally:
             reduced[positions] = 0
+
+    def _node_sum_with_residual(self, grad: np.ndarray) -> np.ndarray:
+        """My region of the node's sum plus my residual (the array to select from)."""
+        if self.local.size == 1:  # a lone rank of its node holds its node's sum already
+            return self.with_residual(grad)
+        if self.error_feedback:  # summed straight into the residual: one pass fewer
+            self.reduce_scatter(grad, self._residual, accumulate=True)
+            return self._residual
+        self.reduce_scatter(grad, self.region)
+        return self.region
 
     def _share_in_node(self, reduced: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Local Allgather of every rank's reduced region, sparse when that is smaller."""

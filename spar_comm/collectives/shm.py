@@ -21,12 +21,16 @@ from .channel import Channel, displacements
 
 #: Bytes of window per rank at most (one piece for every owner).
 SLOT_BYTES = 32 << 20
+#: Elements summed at a time by ``sum_parts`` (256 KiB of float32).
+SUM_CHUNK = 1 << 16
 #: Set to 0 to use MPI's own Reduce_scatter instead.
 ENV_SHARED_MEMORY = "SPAR_COMM_SHM"
 
 
 def node_reduce_scatter(channel: Channel, counts: Sequence[int], dtype: np.dtype, shares_memory: bool):
-    """The fastest Reduce_scatter the node allows, as ``reduce_scatter(send, recv)``.
+    """The fastest Reduce_scatter the node allows, as ``reduce_scatter(send, recv,
+    accumulate=False)``; with ``accumulate`` the shard's sum is added to ``recv``
+    (the residual) in the same pass instead of overwriting it.
 
     Collective over the node: its ranks agree on the choice (``SPAR_COMM_SHM``
     may differ between them) before one window is allocated."""
@@ -36,14 +40,42 @@ def node_reduce_scatter(channel: Channel, counts: Sequence[int], dtype: np.dtype
     return MessageReduceScatter(channel, counts)
 
 
+def sum_parts(parts: Sequence[np.ndarray], out: np.ndarray, accumulate: bool = False) -> None:
+    """``out = parts[0] + parts[1] + ...`` in that order, or ``out +=`` that sum.
+
+    Chunk by chunk, so the partial sum stays in cache: one pass over memory
+    instead of one per part (the bits are those of summing whole arrays)."""
+    chunk = np.empty(min(SUM_CHUNK, out.size), out.dtype)
+    for lo in range(0, out.size, SUM_CHUNK):
+        hi = min(lo + SUM_CHUNK, out.size)
+        partial = chunk[: hi - lo]
+        if len(parts) == 1:
+            partial[...] = parts[0][lo:hi]
+        else:
+            np.add(parts[0][lo:hi], parts[1][lo:hi], out=partial)
+        for part in parts[2:]:
+            partial += part[lo:hi]
+        if accumulate:
+            out[lo:hi] += partial
+        else:
+            out[lo:hi] = partial
+
+
 class MessageReduceScatter:
     """MPI's own Reduce_scatter, behind the same call."""
 
     def __init__(self, channel: Channel, counts: Sequence[int]):
         self.channel, self.counts = channel, list(counts)
+        self._sum = np.zeros(0)
 
-    def __call__(self, send: np.ndarray, recv: np.ndarray) -> None:
-        self.channel.reduce_scatter(send, recv, self.counts)
+    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
+        if not accumulate:
+            self.channel.reduce_scatter(send, recv, self.counts)
+            return
+        if self._sum.shape != recv.shape or self._sum.dtype != recv.dtype:
+            self._sum = np.empty_like(recv)
+        self.channel.reduce_scatter(send, self._sum, self.counts)
+        recv += self._sum
 
     def free(self) -> None:
         pass
@@ -66,22 +98,25 @@ def _free_open_windows() -> None:
 
 
 class SharedReduceScatter:
-    """``reduce_scatter(send, recv)`` for one vector length and ``counts``."""
+    """``reduce_scatter(send, recv, accumulate=False)`` for one vector length and
+    ``counts``. Rank r's slot has a row for every other owner o, at
+    ``_row(o, r)``: nobody copies the shard it owns."""
 
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype, slot_bytes: int = SLOT_BYTES):
         comm, g, itemsize = channel.comm, channel.size, np.dtype(dtype).itemsize
         self.channel, self.comm, self.counts = channel, comm, list(counts)
         self.offsets = displacements(counts)
-        self.piece = max(1, min(slot_bytes // itemsize // g, max(counts)))
+        rows = max(1, g - 1)
+        self.piece = max(1, min(slot_bytes // itemsize // rows, max(counts)))
         self.rounds = -(-max(self.counts) // self.piece)
-        self.win = MPI.Win.Allocate_shared(g * self.piece * itemsize, itemsize, comm=comm)
+        self.win = MPI.Win.Allocate_shared(rows * self.piece * itemsize, itemsize, comm=comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         _OPEN[id(self)] = self
         self.slots: List[np.ndarray] = [
-            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype).reshape(g, self.piece) for r in range(g)
+            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype).reshape(rows, self.piece) for r in range(g)
         ]
 
-    def __call__(self, send: np.ndarray, recv: np.ndarray) -> None:
+    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
         start = time.perf_counter()
         me, g = self.comm.rank, self.comm.size
         for t in range(self.rounds):
@@ -90,16 +125,13 @@ class SharedReduceScatter:
                 n = min(self.piece, max(0, self.counts[owner] - lo))
                 if owner != me and n:
                     first = self.offsets[owner] + lo
-                    self.slots[me][owner, :n] = send[first : first + n]
+                    self.slots[me][_row(owner, me), :n] = send[first : first + n]
             self._fence()
             n = min(self.piece, max(0, self.counts[me] - lo))
             if n:
                 first = self.offsets[me] + lo
-                parts = [send[first : first + n] if r == me else self.slots[r][me, :n] for r in range(g)]
-                out = recv[lo : lo + n]
-                out[...] = parts[0]
-                for part in parts[1:]:
-                    out += part
+                parts = [send[first : first + n] if r == me else self.slots[r][_row(me, r), :n] for r in range(g)]
+                sum_parts(parts, recv[lo : lo + n], accumulate)
             self._fence()  # every owner has read its pieces before they are overwritten
         self.channel.book(start, (g - 1) * send.nbytes // g)
 
@@ -112,3 +144,8 @@ class SharedReduceScatter:
         if _OPEN.pop(id(self), None) is not None:
             self.win.Unlock_all()
             self.win.Free()
+
+
+def _row(owner: int, writer: int) -> int:
+    """The row of ``writer``'s slot that holds ``owner``'s piece."""
+    return owner - (owner > writer)
