@@ -57,7 +57,7 @@ def dense(x: Shape) -> Terms:
 
 def hier_dense(x: Shape) -> Terms:
     shard = x.nbytes / x.g
-    return mpi.reduce_scatter(x.local, x.nbytes) + mpi.allreduce(x.rails, shard) + mpi.allgather(x.local, shard)
+    return mpi.shared_reduce_scatter(x.local, x.nbytes) + mpi.allreduce(x.rails, shard) + mpi.allgather(x.local, shard)
 
 
 def topka(x: Shape) -> Terms:
@@ -80,8 +80,9 @@ def hitopk(x: Shape) -> Terms:
     k = selection_size(x.density, shard)
     nonzero = min(x.nodes * k, shard)  # distinct indices after the rail exchange, at most
     sparse_block = x.pairs(nonzero)
-    terms = mpi.reduce_scatter(x.local, x.nbytes) + x.select(shard)
-    terms["gamma"] += 3 * shard * x.s + x.nodes * x.pairs(k) + x.nbytes  # residual, zero fill, scatter, output
+    terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + x.select(shard)
+    residual_add = shard * x.s if x.g == 1 else 0  # otherwise part of the shard's sum
+    terms["gamma"] += residual_add + x.nbytes + (x.nodes + x.g) * x.pairs(k)  # output zero fill, scatter-adds
     terms += mpi.allgather(x.rails, x.pairs(k))
     if x.g > 1:
         terms += mpi.allgather(x.local, 8)  # nonzero counts

@@ -17,13 +17,15 @@ Algorithm choice follows MPICH's long-standing defaults (CVARs in brackets):
 | collective | short (bytes) | algorithm | long |
 | --- | --- | --- | --- |
 | Allreduce | <= 2048 [ALLREDUCE_SHORT_MSG_SIZE] | recursive doubling | Rabenseifner: reduce-scatter by recursive halving, nearest partner first, then allgather |
-| Reduce_scatter | < 524288 [REDSCAT_COMMUTATIVE_LONG_MSG_SIZE] | recursive halving, farthest partner first | pairwise exchange |
 | Allgather | total < 524288 [ALLGATHER_LONG_MSG_SIZE] | recursive doubling | ring |
 | Bcast | < 12288 or < 8 ranks [BCAST_SHORT_MSG_SIZE, BCAST_MIN_PROCS] | binomial tree | scatter + ring allgather |
 | Reduce | <= 2048 [REDUCE_SHORT_MSG_SIZE] | binomial tree | Rabenseifner: reduce-scatter by recursive halving + binomial gather |
 
 Counts of ranks that are not powers of two are costed with ceil(log2 p)
 steps of the halving/doubling schedules.
+
+The node's Reduce_scatter is not MPI's: spar_comm sums through a shared-memory
+window (``shared_reduce_scatter``): reads instead of messages, and two fences.
 """
 from __future__ import annotations
 
@@ -32,7 +34,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 ALLREDUCE_SHORT = 2048
-REDSCAT_LONG = 524288
 ALLGATHER_LONG = 524288
 BCAST_SHORT = 12288
 BCAST_MIN_PROCS = 8
@@ -120,21 +121,16 @@ def allreduce(span: Span, nbytes: float) -> Terms:
     return terms
 
 
-def reduce_scatter(span: Span, nbytes: float) -> Terms:
-    """``nbytes`` is the whole vector each rank contributes."""
-    terms = Terms()
-    p, steps = span.size, span.steps
+def shared_reduce_scatter(span: Span, nbytes: float) -> Terms:
+    """spar_comm's own Reduce_scatter inside a node (``collectives/shm.py``). Each
+    rank copies the (p-1)/p of its vector that others own into its slot of a
+    shared window (a local pass); two fences; each owner then reads its shard's
+    pieces from the other p-1 slots (intra-node bytes) and
+    writes their sum: one message-free pass."""
+    p = span.size
     if p == 1:
-        return terms
-    if nbytes < REDSCAT_LONG:
-        far_first = [2 ** (steps - 1 - i) for i in range(steps)]
-        _butterfly(terms, span, _halving(nbytes, steps), far_first, reduce=True)
-        return terms
-    # pairwise exchange: step i sends one block to the rank i away
-    for distance in range(1, p):
-        message(terms, span, nbytes / p, span.crosses(distance), span.per_node * span.concurrent)
-        terms["gamma"] += nbytes / p
-    return terms
+        return Terms()
+    return Terms(gamma=(p - 1) / p * nbytes + nbytes / p, beta_intra=(p - 1) / p * nbytes, alpha_intra=2 * span.steps)
 
 
 def allgather(span: Span, block: float) -> Terms:
