@@ -2,6 +2,8 @@
 gave, for every emulated node layout that size allows."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -10,6 +12,7 @@ from mpi_helpers import assert_all, assert_identical_bits
 from reference import Reference
 from spar_comm import ALGORITHMS, make_allreducer
 from spar_comm.collectives.channel import Channel
+from spar_comm.collectives import shm
 from spar_comm.collectives.shm import ENV_SHARED_MEMORY, MessageReduceScatter, SharedReduceScatter
 
 COMM = MPI.COMM_WORLD
@@ -143,6 +146,33 @@ def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
     assert_all(COMM, np.array_equal(residual, expected), "accumulate=True did not add the sum to recv")
     booked = 4 * ((topology.local_size - 1) * grad.nbytes // topology.local_size)  # four calls
     assert_all(COMM, ledger["bytes_intra"] == booked, f"bytes booked: {ledger}, expected {booked}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, monkeypatch):
+    """One fence per round: a slot half is written again only after the next
+    fence. A slow owner (local rank 0 sleeps before every sum) must still read
+    every piece intact while the others run ahead into the next round."""
+    if COMM.allreduce(topology.local_size, op=MPI.MIN) < 2:  # skipped on every rank alike
+        pytest.skip("needs two ranks on every node")
+    ledger = {"t_intra": 0.0, "bytes_intra": 0}
+    channel = Channel(topology.local, "intra", ledger)
+    n, dtype = 999, "float32"
+    counts = topology.local_shard_counts(n)
+    shared = SharedReduceScatter(channel, counts, np.dtype(dtype), slot_bytes=64 * 4)
+    if topology.local_rank == 0:
+        summing = shm.sum_parts
+        monkeypatch.setattr(shm, "sum_parts", lambda *args: (time.sleep(0.002), summing(*args)))
+    results = []
+    for step in range(3):
+        grad = integer_grads(n, step, COMM.size, n, dtype)[COMM.rank]
+        mine = np.empty(counts[topology.local_rank], dtype)
+        shared(grad, mine)
+        theirs = np.empty_like(mine)
+        channel.reduce_scatter(grad, theirs, counts)
+        results.append(np.array_equal(mine, theirs))
+    shared.free()
+    assert_all(COMM, shared.rounds > 3 and all(results), f"{shared.rounds} rounds; steps equal to MPI's: {results}")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -6,6 +6,10 @@ into its own slot of one window, and each owner sums its shard straight out
 of all slots, in rank order (so the bits never depend on timing). A slot
 holds a bounded piece per owner, so a long vector goes in rounds and the
 window stays small whatever the model size.
+
+Each slot is double: rounds (and calls) alternate between its two halves, so
+one fence per round is enough. A rank writes a half again only after the
+next round's fence, which every owner passes only once it has read that half.
 """
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ from mpi4py import MPI
 
 from .channel import Channel, displacements
 
-#: Bytes of window per rank at most (one piece for every owner).
-SLOT_BYTES = 32 << 20
+#: Bytes of window per rank at most (two halves, each a piece for every other owner).
+SLOT_BYTES = 64 << 20
 #: Elements summed at a time by ``sum_parts`` (256 KiB of float32).
 SUM_CHUNK = 1 << 16
 #: Set to 0 to use MPI's own Reduce_scatter instead.
@@ -107,38 +111,36 @@ class SharedReduceScatter:
         self.channel, self.comm, self.counts = channel, comm, list(counts)
         self.offsets = displacements(counts)
         rows = max(1, g - 1)
-        self.piece = max(1, min(slot_bytes // itemsize // rows, max(counts)))
+        self.piece = max(1, min(slot_bytes // itemsize // (2 * rows), max(counts)))
         self.rounds = -(-max(self.counts) // self.piece)
-        self.win = MPI.Win.Allocate_shared(rows * self.piece * itemsize, itemsize, comm=comm)
+        self.win = MPI.Win.Allocate_shared(2 * rows * self.piece * itemsize, itemsize, comm=comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         _OPEN[id(self)] = self
         self.slots: List[np.ndarray] = [
-            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype).reshape(rows, self.piece) for r in range(g)
+            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype).reshape(2, rows, self.piece) for r in range(g)
         ]
+        self.half = 0  # the half of every slot the next round uses
 
     def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
         start = time.perf_counter()
         me, g = self.comm.rank, self.comm.size
         for t in range(self.rounds):
-            lo = t * self.piece
+            lo, h = t * self.piece, self.half
             for owner in range(g):
                 n = min(self.piece, max(0, self.counts[owner] - lo))
                 if owner != me and n:
                     first = self.offsets[owner] + lo
-                    self.slots[me][_row(owner, me), :n] = send[first : first + n]
-            self._fence()
+                    self.slots[me][h, _row(owner, me), :n] = send[first : first + n]
+            self.win.Sync()  # the fence: my writes out, everyone's in
+            self.comm.Barrier()
+            self.win.Sync()
             n = min(self.piece, max(0, self.counts[me] - lo))
             if n:
                 first = self.offsets[me] + lo
-                parts = [send[first : first + n] if r == me else self.slots[r][_row(me, r), :n] for r in range(g)]
+                parts = [send[first : first + n] if r == me else self.slots[r][h, _row(me, r), :n] for r in range(g)]
                 sum_parts(parts, recv[lo : lo + n], accumulate)
-            self._fence()  # every owner has read its pieces before they are overwritten
+            self.half = 1 - h
         self.channel.book(start, (g - 1) * send.nbytes // g)
-
-    def _fence(self) -> None:
-        self.win.Sync()
-        self.comm.Barrier()
-        self.win.Sync()
 
     def free(self) -> None:
         if _OPEN.pop(id(self), None) is not None:
