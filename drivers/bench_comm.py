@@ -2,10 +2,13 @@
 """Measure every allreduce algorithm at several gradient sizes.
 
 Each call is timed on every rank and the slowest rank's time counts; the
-figure reported is the median over --repeat calls after --warmup calls. Each
+figure reported is the median over --repeat calls after --warmup calls. The
+calls go round-robin over the algorithms (one call of each, then the next
+round), so a slow spell of a shared machine hits every algorithm alike. Each
 call reduces into one output buffer kept from call to call, as a training
-loop does (``allreduce(grad, out=buffer)``). The table shows time, selection and communication time, and the bytes each rank
-sends inside and between nodes (ring model, see spar_comm.collectives.channel).
+loop does (``allreduce(grad, out=buffer)``). The table shows time, selection
+and communication time, and the bytes each rank sends inside and between
+nodes (ring model, see spar_comm.collectives.channel).
 The JSON written to --out (after every size, so a killed run keeps what it
 measured) is what the cost model is fitted on.
 
@@ -70,24 +73,32 @@ def unwritable(path: str) -> str | None:
     return None
 
 
-def measure(reducer, grad: np.ndarray, warmup: int, repeat: int) -> dict:
-    """Median of the slowest rank's time per call, and of the call's figures."""
-    world = reducer.topology.world
+def measure(reducers: list, grad: np.ndarray, warmup: int, repeat: int) -> list:
+    """For each reducer: the median of the slowest rank's time per call, and of
+    the call's figures. Calls go round-robin over the reducers."""
+    world = reducers[0].topology.world
     out = np.empty_like(grad)  # a training loop reduces into a buffer it keeps
     for _ in range(warmup):
-        reducer.allreduce(grad, out=out)
-    rows = np.zeros((repeat, 1 + len(FIGURES)))
+        for reducer in reducers:
+            reducer.allreduce(grad, out=out)
+    rows = np.zeros((len(reducers), repeat, 1 + len(FIGURES)))
     for i in range(repeat):
-        world.Barrier()
-        start = MPI.Wtime()
-        reducer.allreduce(grad, out=out)
-        rows[i, 0] = MPI.Wtime() - start
-        rows[i, 1:] = [reducer.last[name] for name in FIGURES]
+        for j, reducer in enumerate(reducers):
+            world.Barrier()
+            start = MPI.Wtime()
+            reducer.allreduce(grad, out=out)
+            rows[j, i, 0] = MPI.Wtime() - start
+            rows[j, i, 1:] = [reducer.last[name] for name in FIGURES]
     slowest = np.empty_like(rows)
     world.Allreduce(rows, slowest, op=MPI.MAX)
-    sent = np.array([reducer.last["bytes_intra"], reducer.last["bytes_inter"], reducer.last["k"]], np.int64)
+    sent = np.array([[r.last["bytes_intra"], r.last["bytes_inter"], r.last["k"]] for r in reducers], np.int64)
     most = np.empty_like(sent)
     world.Allreduce(sent, most, op=MPI.MAX)
+    return [summary(times, figures) for times, figures in zip(slowest, most)]
+
+
+def summary(slowest: np.ndarray, most: np.ndarray) -> dict:
+    """One reducer's row: ``slowest`` is (repeat, time + FIGURES), ``most`` its bytes and k."""
     medians = np.median(slowest, axis=0)
     return {
         "time_median": float(medians[0]),
@@ -135,14 +146,15 @@ def main() -> int:
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
         grad = rng.standard_normal(size).astype(args.dtype)
-        dense_time = None
-        for algorithm in args.algorithms:
-            reducer = make_allreducer(algorithm, topology, size, args.dtype, args.density, args.selector)
-            row = {"algorithm": algorithm, "size": size, "nbytes": grad.nbytes,
-                   **measure(reducer, grad, args.warmup, args.repeat)}
-            results.append(row)
+        reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector) for a in args.algorithms]
+        measured = measure(reducers, grad, args.warmup, args.repeat)
+        for reducer in reducers:
             reducer.free()
-            dense_time = row["time_median"] if algorithm == "dense" else dense_time
+        times = {algorithm: figures["time_median"] for algorithm, figures in zip(args.algorithms, measured)}
+        dense_time = times.get("dense")
+        for algorithm, figures in zip(args.algorithms, measured):
+            row = {"algorithm": algorithm, "size": size, "nbytes": grad.nbytes, **figures}
+            results.append(row)
             if lead:
                 ratio = f"{dense_time / row['time_median']:7.1f}x" if dense_time else f"{'':>8}"
                 print(f"{size:>10} {algorithm:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
