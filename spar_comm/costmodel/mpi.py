@@ -25,7 +25,7 @@ Counts of ranks that are not powers of two are costed with ceil(log2 p)
 steps of the halving/doubling schedules.
 
 The node's Reduce_scatter is not MPI's: spar_comm sums through a shared-memory
-window (``shared_reduce_scatter``): reads instead of messages, and two fences.
+window (``shared_reduce_scatter``): reads instead of messages, and one fence.
 """
 from __future__ import annotations
 
@@ -124,13 +124,12 @@ def allreduce(span: Span, nbytes: float) -> Terms:
 def shared_reduce_scatter(span: Span, nbytes: float) -> Terms:
     """spar_comm's own Reduce_scatter inside a node (``collectives/shm.py``). Each
     rank copies the (p-1)/p of its vector that others own into its slot of a
-    shared window (a local pass); two fences; each owner then reads its shard's
-    pieces from the other p-1 slots (intra-node bytes) and
-    writes their sum: one message-free pass."""
+    shared window (a local pass); a fence; each owner then reads its shard's
+    pieces from the other p-1 slots (intra-node bytes) and writes their sum."""
     p = span.size
     if p == 1:
         return Terms()
-    return Terms(gamma=(p - 1) / p * nbytes + nbytes / p, beta_intra=(p - 1) / p * nbytes, alpha_intra=2 * span.steps)
+    return Terms(gamma=(p - 1) / p * nbytes + nbytes / p, beta_intra=(p - 1) / p * nbytes, alpha_intra=span.steps)
 
 
 def allgather(span: Span, block: float) -> Terms:
