@@ -6,7 +6,10 @@ figure reported is the median over --repeat calls after --warmup calls. The
 calls go round-robin over the algorithms (one call of each, then the next
 round), so a slow spell of a shared machine hits every algorithm alike. Each
 call reduces into one output buffer kept from call to call, as a training
-loop does (``allreduce(grad, out=buffer)``). The table shows time, selection
+loop does (``allreduce(grad, out=buffer)``). The gradient is assembled in
+each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``
+and ``hitopk`` keep in the node's shared memory (no copy in;
+``--no-shared-buffer`` passes a private array instead). The table shows time, selection
 and communication time, and the bytes each rank sends inside and between
 nodes (ring model, see spar_comm.collectives.channel).
 The JSON written to --out (after every size, so a killed run keeps what it
@@ -51,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="emulate nodes of this many consecutive ranks (default: real nodes)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=10, help="timed calls (default: %(default)s)")
+    parser.add_argument("--shared-buffer", action=argparse.BooleanOptionalAction, default=True,
+                        help="assemble the gradient in each allreducer's .buffer (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -73,20 +78,23 @@ def unwritable(path: str) -> str | None:
     return None
 
 
-def measure(reducers: list, grad: np.ndarray, warmup: int, repeat: int) -> list:
+def measure(reducers: list, grad: np.ndarray, warmup: int, repeat: int, shared_buffer: bool) -> list:
     """For each reducer: the median of the slowest rank's time per call, and of
     the call's figures. Calls go round-robin over the reducers."""
     world = reducers[0].topology.world
     out = np.empty_like(grad)  # a training loop reduces into a buffer it keeps
+    sends = [reducer.buffer if shared_buffer else grad for reducer in reducers]
+    for send in sends:
+        send[...] = grad
     for _ in range(warmup):
-        for reducer in reducers:
-            reducer.allreduce(grad, out=out)
+        for reducer, send in zip(reducers, sends):
+            reducer.allreduce(send, out=out)
     rows = np.zeros((len(reducers), repeat, 1 + len(FIGURES)))
     for i in range(repeat):
-        for j, reducer in enumerate(reducers):
+        for j, (reducer, send) in enumerate(zip(reducers, sends)):
             world.Barrier()
             start = MPI.Wtime()
-            reducer.allreduce(grad, out=out)
+            reducer.allreduce(send, out=out)
             rows[j, i, 0] = MPI.Wtime() - start
             rows[j, i, 1:] = [reducer.last[name] for name in FIGURES]
     slowest = np.empty_like(rows)
@@ -135,6 +143,7 @@ def main() -> int:
         "selector": args.selector,
         "warmup": args.warmup,
         "repeat": args.repeat,
+        "shared_buffer": args.shared_buffer,
     }
     results = []
     if lead:
@@ -146,8 +155,9 @@ def main() -> int:
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
         grad = rng.standard_normal(size).astype(args.dtype)
-        reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector) for a in args.algorithms]
-        measured = measure(reducers, grad, args.warmup, args.repeat)
+        reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector,
+                                    shared_buffer=args.shared_buffer) for a in args.algorithms]
+        measured = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
         for reducer in reducers:
             reducer.free()
         times = {algorithm: figures["time_median"] for algorithm, figures in zip(args.algorithms, measured)}

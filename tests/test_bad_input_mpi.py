@@ -76,6 +76,7 @@ BAD_SETTINGS = {
     "dtype int": (dict(dtype="int32"), "dtype must be one of"),
     "selector": (dict(selector="no_such"), "unknown selector"),
     "algorithm": (dict(algorithm="no_such"), "unknown algorithm"),
+    "shared_buffer": (dict(shared_buffer="yes"), "shared_buffer must be True or False"),
 }
 
 
@@ -93,7 +94,7 @@ def test_bad_settings(topology, case, everywhere):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("field, value", [("size", 101), ("dtype", "float64"), ("density", 0.2)])
+@pytest.mark.parametrize("field, value", [("size", 101), ("dtype", "float64"), ("density", 0.2), ("shared_buffer", True)])
 def test_ranks_that_disagree(topology, field, value):
     settings = dict(size=100, dtype="float32", density=0.1, selector="exact")
     if COMM.rank == LAST:

@@ -13,7 +13,8 @@ from reference import Reference
 from spar_comm import ALGORITHMS, make_allreducer
 from spar_comm.collectives.channel import Channel
 from spar_comm.collectives import shm
-from spar_comm.collectives.shm import ENV_SHARED_MEMORY, MessageReduceScatter, SharedReduceScatter
+from spar_comm.collectives.shm import (ENV_SHARED_MEMORY, BufferedReduceScatter, MessageReduceScatter,
+                                       SharedReduceScatter)
 
 COMM = MPI.COMM_WORLD
 STEPS = 4
@@ -125,6 +126,31 @@ def test_message_passing_reduce_scatter_matches_too(topology, algorithm, monkeyp
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_gradient_assembled_in_the_shared_buffer(topology, algorithm):
+    """``shared_buffer=True``: a gradient written into ``.buffer`` (and reduced in
+    place there on even ranks) gives the reference's bits; odd ranks pass an
+    array of their own, which must mix with the others' in-place buffers."""
+    p, rank, n = COMM.size, COMM.rank, 1037
+    reducer = make_allreducer(algorithm, topology, n, "float32", density=0.05, selector="exact", shared_buffer=True)
+    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, n, "float32", 0.05)
+    in_shared_memory = isinstance(reducer.reduce_scatter, BufferedReduceScatter) if hasattr(reducer, "reduce_scatter") else None
+    node_shares = topology.local_size > 1 and topology.local_shares_memory
+    assert_all(COMM, in_shared_memory in (None, node_shares), f"{algorithm}: buffered {in_shared_memory}")
+    for step in range(3):
+        grads = integer_grads(7, step, p, n, "float32")
+        if rank % 2 == 0:
+            reducer.buffer[...] = grads[rank]
+            out = reducer.allreduce(reducer.buffer, out=reducer.buffer)
+        else:
+            out = reducer.allreduce(grads[rank].copy())
+        expected = ref.step(grads)
+        assert_all(COMM, np.array_equal(out, expected), f"step {step}: differs from the reference")
+        assert_all(COMM, np.array_equal(reducer.residual_full(), ref.residuals[rank]), f"step {step}: residual")
+    reducer.free()
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [1, 5, 999, 10_007])
 def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
@@ -149,30 +175,41 @@ def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, monkeypatch):
-    """One fence per round: a slot half is written again only after the next
-    fence. A slow owner (local rank 0 sleeps before every sum) must still read
-    every piece intact while the others run ahead into the next round."""
+@pytest.mark.parametrize("make", [
+    lambda channel, counts, dtype: SharedReduceScatter(channel, counts, dtype, slot_bytes=64 * 4),
+    BufferedReduceScatter,
+], ids=["slots", "buffer"])
+def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, monkeypatch, make):
+    """Slots: one fence per round, so a slot half is written again only after
+    the next fence. Buffer: a fence after the sums, since the caller writes its
+    buffer again. A slow owner (local rank 0 sleeps before every sum) must still
+    read every piece intact while the others run ahead."""
     if COMM.allreduce(topology.local_size, op=MPI.MIN) < 2:  # skipped on every rank alike
         pytest.skip("needs two ranks on every node")
     ledger = {"t_intra": 0.0, "bytes_intra": 0}
     channel = Channel(topology.local, "intra", ledger)
     n, dtype = 999, "float32"
     counts = topology.local_shard_counts(n)
-    shared = SharedReduceScatter(channel, counts, np.dtype(dtype), slot_bytes=64 * 4)
+    shared = make(channel, counts, np.dtype(dtype))
     if topology.local_rank == 0:
         summing = shm.sum_parts
         monkeypatch.setattr(shm, "sum_parts", lambda *args: (time.sleep(0.002), summing(*args)))
+    members = topology.local.allgather(COMM.rank)  # the node's ranks, in local order
+    lo = sum(counts[: topology.local_rank])
+    shard = slice(lo, lo + counts[topology.local_rank])
     results = []
-    for step in range(3):
-        grad = integer_grads(n, step, COMM.size, n, dtype)[COMM.rank]
+    for step in range(3):  # no other MPI call between steps: a fast rank runs straight on
+        grads = integer_grads(n, step, COMM.size, n, dtype)
+        send = grads[COMM.rank]
+        if shared.buffer is not None:  # assembled in place, as a training loop would
+            shared.buffer[...] = send
+            send = shared.buffer
         mine = np.empty(counts[topology.local_rank], dtype)
-        shared(grad, mine)
-        theirs = np.empty_like(mine)
-        channel.reduce_scatter(grad, theirs, counts)
-        results.append(np.array_equal(mine, theirs))
+        shared(send, mine)
+        results.append(np.array_equal(mine, np.sum([grads[r][shard] for r in members], axis=0, dtype=dtype)))
     shared.free()
-    assert_all(COMM, shared.rounds > 3 and all(results), f"{shared.rounds} rounds; steps equal to MPI's: {results}")
+    rounds = getattr(shared, "rounds", 1)
+    assert_all(COMM, all(results), f"steps equal to MPI's: {results} ({rounds} rounds)")
 
 
 @pytest.mark.mpi(min_size=1)

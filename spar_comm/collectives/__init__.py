@@ -40,6 +40,7 @@ def make_allreducer(
     error_feedback: bool = True,
     average: bool = True,
     selector_options: Dict[str, Any] | None = None,
+    shared_buffer: bool = False,
 ) -> Allreducer:
     """An allreducer of ``algorithm`` for flat gradients of ``size`` elements.
 
@@ -47,6 +48,8 @@ def make_allreducer(
     compared across ranks, and any bad or disagreeing setting raises
     ConfigError on every rank. ``algorithm="auto"`` takes the one the cost
     model predicts fastest for this topology and size (``spar_comm.costmodel.auto``).
+    ``shared_buffer=True`` puts ``.buffer`` in the node's shared memory where
+    the algorithm can read it without a copy (see ``Allreducer.buffer``).
     """
     known = isinstance(algorithm, str) and (algorithm == AUTO or algorithm in ALGORITHMS)
     problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join([*ALGORITHMS, AUTO])}"
@@ -57,4 +60,4 @@ def make_allreducer(
 
         algorithm = choose(topology, size, dtype, density, selector)
     cls = ALGORITHMS[algorithm]
-    return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options)
+    return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer)

@@ -23,6 +23,7 @@ from ..errors import GradientError, NonFiniteGradientError
 from ..launch import abort_job
 from ..topology import Topology
 from .channel import Channel
+from .shm import node_reduce_scatter
 
 DTYPES = ("float32", "float64")
 #: Indices travel as int32 positions within a shard.
@@ -91,9 +92,12 @@ class Allreducer:
         error_feedback: bool = True,
         average: bool = True,
         selector_options: Optional[Dict[str, Any]] = None,
+        shared_buffer: bool = False,
     ):
         world = topology.world
         problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse)
+        if problem is None and not isinstance(shared_buffer, bool):
+            problem = f"shared_buffer must be True or False, got {shared_buffer!r}"
         raise_if_any(world, problem)
         require_same(
             world,
@@ -107,6 +111,7 @@ class Allreducer:
                 error_feedback=bool(error_feedback),
                 average=bool(average),
                 selector_options=repr(sorted((selector_options or {}).items())),
+                shared_buffer=shared_buffer,
             ),
         )
         self.topology = topology
@@ -117,6 +122,8 @@ class Allreducer:
         self.selector_options = dict(selector_options or {})
         self.error_feedback = bool(error_feedback)
         self.average = bool(average)
+        self.shared_buffer = shared_buffer
+        self._buffer: Optional[np.ndarray] = None  # see ``buffer``
         self._code = np.zeros(1, dtype=np.int32)
         self._out: Optional[np.ndarray] = None
         self._codes = np.zeros(world.size, dtype=np.int32)
@@ -131,6 +138,15 @@ class Allreducer:
         """Wrap ``comm``; its bytes count as inter-node when it spans nodes."""
         inter = spans_nodes and self.topology.num_nodes > 1
         return Channel(comm, "inter" if inter else "intra", self.last)
+
+    def node_reduce_scatter(self, local: Channel, counts: List[int]):
+        """The node's Reduce_scatter (see ``shm.node_reduce_scatter``); with
+        ``shared_buffer`` its shared vector becomes ``buffer``."""
+        reduce_scatter = node_reduce_scatter(
+            local, counts, self.dtype, self.topology.local_shares_memory, self.shared_buffer
+        )
+        self._buffer = reduce_scatter.buffer  # None: plain memory, made when asked for
+        return reduce_scatter
 
     def new_selector(self) -> kernels.Selector:
         """One selector per selection site, since a selector may keep state."""
@@ -185,6 +201,17 @@ class Allreducer:
         return indices, values
 
     # -- the public interface ----------------------------------------------------------
+    @property
+    def buffer(self) -> np.ndarray:
+        """An array of the gradient's size and dtype to assemble the flat gradient
+        in and pass to ``allreduce`` (``out=`` it too, to reduce in place). With
+        ``shared_buffer=True``, ``hier_dense`` and ``hitopk`` keep it in the
+        node's shared memory and read it where it lies instead of copying it
+        there; other algorithms hand out plain memory."""
+        if self._buffer is None:
+            self._buffer = np.zeros(self.size, self.dtype)
+        return self._buffer
+
     def allreduce(self, grad: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The sum (or mean) of ``grad`` over all ranks: a new array, or ``out``
         when given (``out=grad`` reduces in place and saves an allocation).

@@ -9,7 +9,6 @@ import numpy as np
 
 from ..topology import shard_bounds
 from .base import Allreducer
-from .shm import node_reduce_scatter
 
 
 class HierDenseAllreducer(Allreducer):
@@ -20,7 +19,7 @@ class HierDenseAllreducer(Allreducer):
         self.local = self.channel(topology.local, spans_nodes=False)
         self.rails = {j: self.channel(c, spans_nodes=True) for j, c in topology.rails.items()}
         self.counts = topology.local_shard_counts(self.size)
-        self.reduce_scatter = node_reduce_scatter(self.local, self.counts, self.dtype, topology.local_shares_memory)
+        self.reduce_scatter = self.node_reduce_scatter(self.local, self.counts)
         self.lo, _ = topology.owned_range(self.size)
         self.region = np.empty(self.counts[self.local.rank], dtype=self.dtype)
         self.shards = topology.shards_per_node

@@ -19,7 +19,6 @@ from ..topology import shard_bounds
 from .base import Allreducer, selection_size
 from .channel import displacements
 from .pairs import PairExchange, PairLayout
-from .shm import node_reduce_scatter
 
 
 class _Site:
@@ -41,7 +40,7 @@ class HiTopKAllreducer(Allreducer):
         super().__init__(topology, size, *args, **kwargs)
         self.local = self.channel(topology.local, spans_nodes=False)
         self.counts = topology.local_shard_counts(self.size)
-        self.reduce_scatter = node_reduce_scatter(self.local, self.counts, self.dtype, topology.local_shares_memory)
+        self.reduce_scatter = self.node_reduce_scatter(self.local, self.counts)
         self.offsets = displacements(self.counts)
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]

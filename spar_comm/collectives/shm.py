@@ -10,6 +10,10 @@ window stays small whatever the model size.
 Each slot is double: rounds (and calls) alternate between its two halves, so
 one fence per round is enough. A rank writes a half again only after the
 next round's fence, which every owner passes only once it has read that half.
+
+With a shared buffer (``shared_buffer=True`` on the allreducer) each rank's
+segment is instead a whole vector that the caller may assemble its gradient
+in: owners then read it where it lies, and nothing is copied in at all.
 """
 from __future__ import annotations
 
@@ -31,15 +35,21 @@ SUM_CHUNK = 1 << 16
 ENV_SHARED_MEMORY = "SPAR_COMM_SHM"
 
 
-def node_reduce_scatter(channel: Channel, counts: Sequence[int], dtype: np.dtype, shares_memory: bool):
+def node_reduce_scatter(channel: Channel, counts: Sequence[int], dtype: np.dtype, shares_memory: bool,
+                        shared_buffer: bool = False):
     """The fastest Reduce_scatter the node allows, as ``reduce_scatter(send, recv,
     accumulate=False)``; with ``accumulate`` the shard's sum is added to ``recv``
-    (the residual) in the same pass instead of overwriting it.
+    (the residual) in the same pass instead of overwriting it. With
+    ``shared_buffer`` its ``.buffer`` is a whole vector in shared memory: a
+    gradient assembled there is read in place (no copy in); otherwise
+    ``.buffer`` is None.
 
     Collective over the node: its ranks agree on the choice (``SPAR_COMM_SHM``
     may differ between them) before one window is allocated."""
     wanted = int(shares_memory and os.environ.get(ENV_SHARED_MEMORY, "1") != "0")
     if channel.size > 1 and channel.comm.allreduce(wanted, op=MPI.MIN):  # the node agrees
+        if shared_buffer:
+            return BufferedReduceScatter(channel, counts, dtype)
         return SharedReduceScatter(channel, counts, dtype)
     return MessageReduceScatter(channel, counts)
 
@@ -68,6 +78,8 @@ def sum_parts(parts: Sequence[np.ndarray], out: np.ndarray, accumulate: bool = F
 class MessageReduceScatter:
     """MPI's own Reduce_scatter, behind the same call."""
 
+    buffer = None
+
     def __init__(self, channel: Channel, counts: Sequence[int]):
         self.channel, self.counts = channel, list(counts)
         self._sum = np.zeros(0)
@@ -90,35 +102,59 @@ class MessageReduceScatter:
 # cannot close its fabric while a window is open. Win.Free is collective: this
 # assumes all ranks exit normally together (a rank failing alone aborts the job
 # instead). Strong references: a window dropped unfreed would leak in MPI and
-# break MPI_Finalize, so an allreducer's window lives until free() or exit.
-_OPEN: "Dict[int, SharedReduceScatter]" = {}
+# break MPI_Finalize, so a window lives until free() or exit.
+_OPEN: "Dict[int, NodeWindow]" = {}
 
 
 @atexit.register
 def _free_open_windows() -> None:
     if MPI.Is_initialized() and not MPI.Is_finalized():
-        for shared in list(_OPEN.values()):
-            shared.free()
+        for window in list(_OPEN.values()):
+            window.free()
+
+
+class NodeWindow:
+    """An MPI shared-memory window over a node: ``elements`` per rank, every
+    rank's segment visible to all as ``segments[r]``."""
+
+    def __init__(self, comm: MPI.Comm, elements: int, dtype: np.dtype):
+        itemsize = np.dtype(dtype).itemsize
+        self.comm = comm
+        self.win = MPI.Win.Allocate_shared(elements * itemsize, itemsize, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        _OPEN[id(self)] = self
+        self.segments: List[np.ndarray] = [
+            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype)[:elements] for r in range(comm.size)
+        ]
+
+    def fence(self) -> None:
+        """Every rank's writes so far are visible to all, and every rank has arrived."""
+        self.win.Sync()
+        self.comm.Barrier()
+        self.win.Sync()
+
+    def free(self) -> None:
+        if _OPEN.pop(id(self), None) is not None:
+            self.win.Unlock_all()
+            self.win.Free()
 
 
 class SharedReduceScatter:
     """``reduce_scatter(send, recv, accumulate=False)`` for one vector length and
-    ``counts``. Rank r's slot has a row for every other owner o, at
-    ``_row(o, r)``: nobody copies the shard it owns."""
+    ``counts``, through bounded slots. Rank r's slot has a row for every other
+    owner o, at ``_row(o, r)``: nobody copies the shard it owns."""
+
+    buffer = None
 
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype, slot_bytes: int = SLOT_BYTES):
-        comm, g, itemsize = channel.comm, channel.size, np.dtype(dtype).itemsize
-        self.channel, self.comm, self.counts = channel, comm, list(counts)
+        g, itemsize = channel.size, np.dtype(dtype).itemsize
+        self.channel, self.comm, self.counts = channel, channel.comm, list(counts)
         self.offsets = displacements(counts)
         rows = max(1, g - 1)
         self.piece = max(1, min(slot_bytes // itemsize // (2 * rows), max(counts)))
         self.rounds = -(-max(self.counts) // self.piece)
-        self.win = MPI.Win.Allocate_shared(2 * rows * self.piece * itemsize, itemsize, comm=comm)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-        _OPEN[id(self)] = self
-        self.slots: List[np.ndarray] = [
-            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype).reshape(2, rows, self.piece) for r in range(g)
-        ]
+        self.window = NodeWindow(self.comm, 2 * rows * self.piece, dtype)
+        self.slots = [segment.reshape(2, rows, self.piece) for segment in self.window.segments]
         self.half = 0  # the half of every slot the next round uses
 
     def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
@@ -131,9 +167,7 @@ class SharedReduceScatter:
                 if owner != me and n:
                     first = self.offsets[owner] + lo
                     self.slots[me][h, _row(owner, me), :n] = send[first : first + n]
-            self.win.Sync()  # the fence: my writes out, everyone's in
-            self.comm.Barrier()
-            self.win.Sync()
+            self.window.fence()
             n = min(self.piece, max(0, self.counts[me] - lo))
             if n:
                 first = self.offsets[me] + lo
@@ -143,11 +177,39 @@ class SharedReduceScatter:
         self.channel.book(start, (g - 1) * send.nbytes // g)
 
     def free(self) -> None:
-        if _OPEN.pop(id(self), None) is not None:
-            self.win.Unlock_all()
-            self.win.Free()
+        self.window.free()
 
 
 def _row(owner: int, writer: int) -> int:
     """The row of ``writer``'s slot that holds ``owner``'s piece."""
     return owner - (owner > writer)
+
+
+class BufferedReduceScatter:
+    """``reduce_scatter(send, recv, accumulate=False)`` where each rank's window
+    segment is a whole vector, ``.buffer``. A gradient assembled in ``.buffer``
+    is read where it lies; any other ``send`` is first copied there (the parts
+    other ranks own). Each owner sums its shard out of every rank's buffer."""
+
+    def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
+        self.channel, self.comm, self.counts = channel, channel.comm, list(counts)
+        self.offsets = displacements(counts)
+        self.window = NodeWindow(self.comm, sum(self.counts), dtype)
+        self.buffer = self.window.segments[self.comm.rank]
+
+    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
+        start = time.perf_counter()
+        me, g = self.comm.rank, self.comm.size
+        shards = [slice(first, first + n) for first, n in zip(self.offsets, self.counts)]
+        if send.ctypes.data != self.buffer.ctypes.data:
+            for owner in range(g):
+                if owner != me:
+                    self.buffer[shards[owner]] = send[shards[owner]]
+        self.window.fence()
+        parts = [send[shards[me]] if r == me else self.window.segments[r][shards[me]] for r in range(g)]
+        sum_parts(parts, recv, accumulate)
+        self.window.fence()  # every owner has read before any rank writes its buffer again
+        self.channel.book(start, (g - 1) * send.nbytes // g)
+
+    def free(self) -> None:
+        self.window.free()
