@@ -3,8 +3,10 @@
 
 For each host layout (e.g. 2 hosts x 2 ranks, 4 hosts x 1 rank) the cluster
 is brought up once; for each link rate the links are reshaped and
-drivers/bench_comm.py runs across the hosts at every density. Dense
-algorithms do not depend on the density and run at the first one only.
+drivers/bench_comm.py runs across the hosts: the sparse algorithms at every
+density, together (their calls interleaved, so they compare like for like),
+with --repeat calls each; the dense ones, which do not depend on the density
+and take seconds a call at 100 Mbit/s, once per rate with --dense-repeat.
 Results go to --out as JSON after every run (a killed sweep keeps what it
 measured) and as one table at the end; the cluster is removed at the end, on
 Ctrl-C and on failure.
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from spar_comm import ALGORITHMS, costmodel, emucluster
-from spar_comm.cli import comma_list
+from spar_comm.cli import comma_list, positive_int
 from spar_comm.training.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--algorithms", type=comma_list(str, ALGORITHMS.__contains__, f"one of {', '.join(ALGORITHMS)}"),
                         default=list(ALGORITHMS))
     parser.add_argument("--selector", default=None, help="top-k method (default: bench_comm's)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed calls per cell (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=10, help="timed calls per sparse cell (default: %(default)s)")
+    parser.add_argument("--dense-repeat", type=positive_int, default=3, help="timed calls per dense cell (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per cell (default: %(default)s)")
     parser.add_argument("--limit", type=float, default=1200, help="seconds one bench_comm run may take")
     parser.add_argument("--prefix", default="spb", help="name prefix of the cluster made (default: %(default)s)")
@@ -70,13 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_bench_comm(spec, args, density: float, algorithms: list) -> dict:
+def run_bench_comm(spec, args, density: float, algorithms: list, repeat: int) -> dict:
     """bench_comm.py across the emulated hosts; returns its JSON document."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "bench.json")
         command = [sys.executable, str(HERE / "bench_comm.py"), "--sizes", ",".join(map(str, args.sizes)),
                    "--density", str(density), "--algorithms", ",".join(algorithms),
-                   "--repeat", str(args.repeat), "--warmup", str(args.warmup), "--out", out]
+                   "--repeat", str(repeat), "--warmup", str(args.warmup), "--out", out]
         if args.selector:
             command += ["--selector", args.selector]
         result = emucluster.run(spec, command, timeout=args.limit)
@@ -186,16 +189,19 @@ def main() -> int:
         return 2
     records, document = [], {"meta": vars(args).copy(), "records": [], "training": []}
     document["meta"]["layouts"] = [f"{h}x{r}" for h, r in args.layouts]
+    dense = [a for a in args.algorithms if a in DENSE]
+    sparse = [a for a in args.algorithms if a not in DENSE]
+    runs = [(args.densities[0], dense, args.dense_repeat)] if dense else []  # the density does not matter
+    runs += [(density, sparse, args.repeat) for density in args.densities] if sparse else []
     for number, (hosts, ranks) in enumerate(args.layouts):
         emucluster.down(args.prefix)
         spec = emucluster.up(emucluster.ClusterSpec(hosts, ranks, args.rates[0], "0us", args.prefix))
         try:
             for rate in [] if args.skip_bench else args.rates:
                 spec = emucluster.reshape(spec, rate, "0us")
-                for i, density in enumerate(args.densities):
-                    algorithms = [a for a in args.algorithms if i == 0 or a not in DENSE]
+                for density, algorithms, repeat in runs:
                     print(f"# {hosts}x{ranks} at {rate}, density {density}: {', '.join(algorithms)}", flush=True)
-                    result = run_bench_comm(spec, args, density, algorithms)
+                    result = run_bench_comm(spec, args, density, algorithms, repeat)
                     for row in result["results"]:
                         records.append({"layout": f"{hosts}x{ranks}", "hosts": hosts, "ranks_per_host": ranks,
                                         "rate": rate, "rate_bps": emucluster.rate_bits_per_second(rate),

@@ -23,7 +23,7 @@ from ..errors import GradientError, NonFiniteGradientError
 from ..launch import abort_job
 from ..topology import Topology
 from .channel import Channel
-from .shm import node_reduce_scatter
+from .shm import MessageReduceScatter, node_reduce_scatter
 
 DTYPES = ("float32", "float64")
 #: Indices travel as int32 positions within a shard.
@@ -124,6 +124,7 @@ class Allreducer:
         self.average = bool(average)
         self.shared_buffer = shared_buffer
         self._buffer: Optional[np.ndarray] = None  # see ``buffer``
+        self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_reduce_scatter``)
         self._code = np.zeros(1, dtype=np.int32)
         self._out: Optional[np.ndarray] = None
         self._codes = np.zeros(world.size, dtype=np.int32)
@@ -207,7 +208,10 @@ class Allreducer:
         in and pass to ``allreduce`` (``out=`` it too, to reduce in place). With
         ``shared_buffer=True``, ``hier_dense`` and ``hitopk`` keep it in the
         node's shared memory and read it where it lies instead of copying it
-        there; other algorithms hand out plain memory."""
+        there (given several ranks on a node that shares memory, and
+        ``SPAR_COMM_SHM`` not 0); other algorithms hand out plain memory.
+        Passing another array instead overwrites all but this rank's shard of
+        a shared buffer (that is where its parts are copied in)."""
         if self._buffer is None:
             self._buffer = np.zeros(self.size, self.dtype)
         return self._buffer
@@ -261,8 +265,15 @@ class Allreducer:
         self._residual[...] = values
 
     def free(self) -> None:
-        """Release what the allreducer holds beyond memory (a shared-memory window).
-        Collective; optional, since MPI_Finalize releases it too."""
+        """Release the node's shared-memory window, where the algorithm holds one.
+        Collective over the node; optional, since MPI_Finalize releases it too.
+        Later calls go through MPI's Reduce_scatter; an array taken from
+        ``buffer`` before must not be used after."""
+        if self.reduce_scatter is not None:
+            used = self.reduce_scatter
+            used.free()
+            self.reduce_scatter = MessageReduceScatter(used.channel, used.counts)
+            self._buffer = None
 
     # -- internals ---------------------------------------------------------------------
     def _reduce(self, grad: np.ndarray) -> np.ndarray:

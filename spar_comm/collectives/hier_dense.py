@@ -34,6 +34,3 @@ class HierDenseAllreducer(Allreducer):
         self.local.allgatherv(self.averaged(region), out, self.counts)
         self.last["k"] = self.size
         return out
-
-    def free(self) -> None:
-        self.reduce_scatter.free()

@@ -102,6 +102,3 @@ class HiTopKAllreducer(Allreducer):
             out[offset + indices] = values
             start += layout.nbytes
         return out
-
-    def free(self) -> None:
-        self.reduce_scatter.free()

@@ -125,7 +125,10 @@ def shared_reduce_scatter(span: Span, nbytes: float) -> Terms:
     """spar_comm's own Reduce_scatter inside a node (``collectives/shm.py``). Each
     rank copies the (p-1)/p of its vector that others own into its slot of a
     shared window (a local pass); a fence; each owner then reads its shard's
-    pieces from the other p-1 slots (intra-node bytes) and writes their sum."""
+    pieces from the other p-1 slots (intra-node bytes) and writes their sum.
+    Simplified: the copy-in is charged even when the caller assembles its
+    gradient in the shared buffer (the fitted gamma absorbs the difference),
+    and one fence stands for the one per round (two with a shared buffer)."""
     p = span.size
     if p == 1:
         return Terms()
