@@ -45,28 +45,34 @@ class HiTopKAllreducer(Allreducer):
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
         self.region = np.empty(self.hi - self.lo if self.local.size > 1 and not self.error_feedback else 0, self.dtype)
-        self.reduced = np.zeros(self.hi - self.lo, dtype=self.dtype)
+        self.reduced = np.zeros(self.hi - self.lo if self.local.size > 1 else 0, self.dtype)
         self.keep_residual(self.lo, self.hi)
         self._count = np.zeros(1, dtype=np.int64)
         self._counts = np.zeros(self.local.size, dtype=np.int64)
 
     def _reduce(self, grad: np.ndarray) -> np.ndarray:
         acc = self._node_sum_with_residual(grad)
+        picks = [self.select(site.selector, acc[site.lo : site.hi], site.k) for site in self.sites]
+        if self.local.size == 1:  # this rank is its node: sum straight into the output, as topka does
+            out = self.output(zeroed=True)  # grad (perhaps ``out``) was read for the last time above
+            touched = self._exchange(picks, out)
+            out[touched] = self.averaged(out[touched])
+            return out
         reduced = self.reduced  # zero outside the positions touched below
-        touched = []
-        for site in self.sites:
-            indices, values = self.select(site.selector, acc[site.lo : site.hi], site.k)
-            touched.append(site.exchange(indices, values, reduced[site.lo : site.hi]) + site.lo)
-        positions = sorted_distinct(np.concatenate(touched))
-        reduced[positions] = self.averaged(reduced[positions])
+        touched = self._exchange(picks, reduced)
+        reduced[touched] = self.averaged(reduced[touched])
         try:
-            if self.local.size == 1:
-                out = self.output(zeroed=True)
-                out[positions] = reduced[positions]
-                return out
-            return self._share_in_node(reduced, positions)
+            return self._share_in_node(reduced, sorted_distinct(touched))  # each position sent once
         finally:
-            reduced[positions] = 0
+            reduced[touched] = 0
+
+    def _exchange(self, picks: list, region: np.ndarray) -> np.ndarray:
+        """Every site's rail Allgather of its picks, summed into ``region`` (mine);
+        returns the positions touched, with repeats (harmless: each is read,
+        then written back)."""
+        touched = [site.exchange(indices, values, region[site.lo : site.hi]) + site.lo
+                   for site, (indices, values) in zip(self.sites, picks)]
+        return np.concatenate(touched)
 
     def _node_sum_with_residual(self, grad: np.ndarray) -> np.ndarray:
         """My region of the node's sum plus my residual (the array to select from)."""
