@@ -193,15 +193,14 @@ class BufferedReduceScatter:
 
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
         self.channel, self.comm, self.counts = channel, channel.comm, list(counts)
-        self.offsets = displacements(counts)
+        self.shards = [slice(first, first + n) for first, n in zip(displacements(counts), self.counts)]
         self.window = NodeWindow(self.comm, sum(self.counts), dtype)
         self.buffer = self.window.segments[self.comm.rank]
         self.buffer[...] = 0  # as a plain buffer starts; MPI does not promise it
 
     def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
         start = time.perf_counter()
-        me, g = self.comm.rank, self.comm.size
-        shards = [slice(first, first + n) for first, n in zip(self.offsets, self.counts)]
+        me, g, shards = self.comm.rank, self.comm.size, self.shards
         if send.ctypes.data != self.buffer.ctypes.data:  # send is whole and contiguous (checked by the caller)
             for owner in range(g):
                 if owner != me:
