@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -32,6 +32,24 @@ class Dataset:
     @property
     def n_features(self) -> int:
         return self.x_train.shape[1]
+
+
+def dataset_problem(data: Any) -> Optional[str]:
+    """Why ``data`` cannot be trained on (None if it can). Your own data set is
+    any object with ``Dataset``'s fields: NumPy-convertible ``x_train``
+    [n, features], integer ``y_train`` [n] in ``range(n_classes)``, the same
+    for the held-out ``x_test``/``y_test``, and a ``name`` for the summary."""
+    missing = [f for f in ("name", "x_train", "y_train", "x_test", "y_test", "n_classes") if not hasattr(data, f)]
+    if missing:
+        return f"the data set {type(data).__name__} lacks {', '.join(missing)} (see spar_comm.training.data.Dataset)"
+    for part in ("train", "test"):
+        x, y = np.shape(getattr(data, f"x_{part}")), np.shape(getattr(data, f"y_{part}"))
+        if len(x) < 2 or len(y) != 1 or x[0] != y[0] or x[0] == 0:
+            return f"the data set's x_{part} {x} and y_{part} {y} are not [n, ...] and [n] with n >= 1"
+        labels = np.asarray(getattr(data, f"y_{part}"))
+        if labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= data.n_classes:
+            return f"the data set's y_{part} must hold integer labels in [0, {data.n_classes})"
+    return None
 
 
 def load_dataset(name: str, dtype: str = "float32") -> Dataset:

@@ -23,7 +23,7 @@ from ..topology import Topology
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .control import StopControl
-from .data import Dataset, Shards, load_dataset
+from .data import Dataset, Shards, dataset_problem, load_dataset
 from .distributed import Group, array_backend
 from .models import MLP
 from .optim import SGD
@@ -82,10 +82,14 @@ def evaluate(model: Any, params: Any, data: Dataset, group: Group, xp: Any, devi
     return right / seen
 
 
-def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
+def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = None, data: Any = None) -> Summary:
     """Run ``config`` on every rank of ``comm`` (default COMM_WORLD). Collective.
 
-    Bad settings raise ConfigError on every rank alike, before any file is written.
+    ``model`` replaces the built-in model that ``config.model`` names: any
+    object with ``layout``, ``init(seed)``, ``logits(params, x)`` and
+    ``loss_and_grad(params, batch)`` (see ``models.py``). ``data`` replaces
+    ``config.dataset``: any object with the fields of ``data.Dataset``. Bad
+    settings raise ConfigError on every rank alike, before any file is written.
     """
     problems = config.problems()
     if problems:
@@ -98,8 +102,10 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
 
     # -- the pieces: data, model, optimizer, allreducer -------------------------------
     xp, device = agreed_backend(config.device, topology)
-    data = load_dataset(config.dataset, config.dtype)
-    model = build_model(config, data, xp, device)
+    data = data if data is not None else load_dataset(config.dataset, config.dtype)
+    raise_if_any(topology.world, dataset_problem(data))
+    model_name = config.model if model is None else type(model).__name__
+    model = model if model is not None else build_model(config, data, xp, device)
     params = model.init(config.seed)
     xp = array_api_compat.array_namespace(params)
     shards = Shards(len(data.y_train), group.rank, group.size, config.batch_size, config.seed)
@@ -108,7 +114,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
             f"--batch-size {config.batch_size} is larger than a rank's share of the training set "
             f"({shards.per_rank} samples at {group.size} ranks)"
         )
-    total = config.steps or (config.epochs or default_epochs(config)) * shards.steps_per_epoch
+    total = config.steps or (config.epochs or default_epochs(data.name)) * shards.steps_per_epoch
     lr_at = LearningRate(config.lr, total, config.warmup, config.schedule)
     optimizer = SGD(params, xp, config.momentum, config.weight_decay)
     allreduce = group.allreducer(config.algorithm, model.layout.size, config.dtype, config.density, config.selector)
@@ -121,13 +127,13 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None) -> Summary:
         group.broadcast(params, xp)
     method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
     setup = (
-        f"{method}, {config.model} "
-        f"({model.layout.size:,} parameters) on {config.dataset}, {topology.describe().split(';')[0]}"
+        f"{method}, {model_name} "
+        f"({model.layout.size:,} parameters) on {data.name}, {topology.describe().split(';')[0]}"
     )
     writer, problem = None, None
     if rank0 and config.trace:
         try:
-            writer = TraceWriter(config.trace, trace_attributes(config, topology, model, shards, total),
+            writer = TraceWriter(config.trace, trace_attributes(config, topology, model_name, data.name, model, shards, total),
                                  topology.hosts, resume_step=start if config.resume else None)
         except OSError as exc:
             problem = f"cannot write the trace {config.trace}: {exc}"
@@ -210,14 +216,16 @@ def agreed_backend(device: str, topology: Topology) -> Tuple[Any, Any]:
     return backend
 
 
-def default_epochs(config: TrainConfig) -> int:
+def default_epochs(dataset: str) -> int:
     """Epochs when neither --epochs nor --steps is given: enough for digits."""
-    return 30 if config.dataset == "digits" else 1
+    return 30 if dataset == "digits" else 1
 
 
-def trace_attributes(config: TrainConfig, topology: Topology, model: Any, shards: Shards, total: int) -> dict:
+def trace_attributes(config: TrainConfig, topology: Topology, model_name: str, dataset: str, model: Any,
+                     shards: Shards, total: int) -> dict:
     """The root attributes of the trace (DESIGN §6)."""
     return dict(
+        model=model_name, dataset=dataset,
         version=__version__, world_size=topology.world.size, nodes=topology.num_nodes,
         ranks_per_node=topology.node_sizes, algorithm=config.algorithm, selector=config.selector,
         density=config.density, config=config.to_json(), test_metric_name="accuracy",
