@@ -80,6 +80,17 @@ def make_parser() -> RankZeroParser:
     opt.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="steps of linear warm-up")
     opt.add_argument("--schedule", default=DEFAULTS.schedule, choices=SCHEDULES, help="after warm-up")
     opt.add_argument("--seed", type=int, default=DEFAULTS.seed, help="initial weights and data order")
+    aids = p.add_argument_group("convergence aids at low density (Deep Gradient Compression; on for sparse "
+                                "algorithms, ignored by dense ones)")
+    aids.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=DEFAULTS.momentum_correction,
+                      help="each rank sends its local momentum-corrected velocity; the global step is then plain SGD")
+    aids.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=DEFAULTS.momentum_masking,
+                      help="clear the local velocity where the reduced update is non-zero (needs momentum correction)")
+    aids.add_argument("--density-warmup", type=int, default=DEFAULTS.density_warmup, metavar="EPOCHS",
+                      help="density falls exponentially from --density-warmup-start to --density over these epochs (0: off)")
+    aids.add_argument("--density-warmup-start", type=float, default=DEFAULTS.density_warmup_start, help="density of the first epoch")
+    aids.add_argument("--clip-norm", type=float, default=DEFAULTS.clip_norm,
+                      help="clip each rank's gradient to this norm / sqrt(ranks) before accumulation (0: off)")
     run = p.add_argument_group("trace, checkpoints and stopping")
     run.add_argument("--trace", default="runs/train.h5", help="HDF5 trace path ('' for none)")
     run.add_argument("--trace-every", type=int, default=DEFAULTS.trace_every, help="steps between appends")

@@ -62,6 +62,31 @@ def test_stop_after_then_resume_gives_the_same_bits(tmp_path, ranks, ranks_per_n
     assert full.stdout.split("|")[0] == second.stdout.split("|")[0]  # the same held-out accuracy
 
 
+def test_resume_with_the_aids_crosses_a_density_rebuild_to_the_same_bits(tmp_path):
+    """Momentum correction, masking, clipping and a density warm-up: the run stops
+    between two rebuilds of the allreducer and resumes to the bits of one that
+    never stopped; the trace records the density of every step."""
+    steps_per_epoch = 1437 // 3 // 32  # digits: 1,437 training samples at 3 ranks
+    common = [*FAST, "--steps", "50", "--ranks-per-node", "2", "--algorithm", "hitopk", "--density", "0.001",
+              "--density-warmup", "3", "--clip-norm", "5"]
+    full = run_train(3, [*common, "--trace", "", "--checkpoint", str(tmp_path / "full.h5")])
+    assert full.returncode == 0, full.stderr
+    trace = str(tmp_path / "t.h5")
+    first = run_train(3, [*common, "--trace", trace, "--checkpoint", str(tmp_path / "part.h5"), "--stop-after", "20"])
+    assert first.returncode == 0, first.stderr
+    second = run_train(3, [*common, "--trace", trace, "--checkpoint", str(tmp_path / "part.h5"), "--resume"])
+    assert second.returncode == 0, second.stderr
+    a, b = datasets(tmp_path / "full.h5"), datasets(tmp_path / "part.h5")
+    assert sorted(a) == sorted(b) and {f"aids/velocity/rank{r}" for r in range(3)} <= set(a)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    assert a["aids/velocity/rank1"].any()
+    density = read_trace(trace).data["density"]
+    expected = [0.25 * (0.001 / 0.25) ** min(step // steps_per_epoch / 3, 1) for step in range(50)]
+    np.testing.assert_allclose(density, expected, rtol=1e-12)
+    assert len(set(density)) == 4  # rebuilds at steps 14, 28 and 42; the stop at 20 falls between two
+
+
 def test_resume_refuses_changed_settings(tmp_path):
     ckpt = str(tmp_path / "c.h5")
     assert run_train(2, [*FAST, "--steps", "5", "--trace", "", "--checkpoint", ckpt]).returncode == 0

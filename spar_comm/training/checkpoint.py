@@ -28,12 +28,16 @@ FORMAT = 1
 
 def save_checkpoint(
     path: str, group: Group, config: TrainConfig, step: int, layout: ParamLayout,
-    params: Any, velocity: Any, reducer: FusedAllreduce, shards: Shards,
+    params: Any, velocity: Any, reducer: FusedAllreduce, shards: Shards, local_velocity: Any = None,
 ) -> None:
-    """Write the state after ``step`` steps. Collective over the group."""
+    """Write the state after ``step`` steps. Collective over the group.
+
+    ``local_velocity`` is the convergence aids' per-rank velocity (aids.py),
+    saved for every rank like the residuals."""
     span, residual = reducer.residual()
     # Pickled gather: once per checkpoint, never on the hot path.
     residuals = group.comm.gather((span, residual), root=0)
+    local = group.comm.gather(None if local_velocity is None else to_host(local_velocity), root=0)
     if group.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = path + ".tmp"
@@ -49,6 +53,9 @@ def save_checkpoint(
             f["optimizer"].attrs.update(kind="sgd", momentum=config.momentum, weight_decay=config.weight_decay)
             for rank, ((lo, hi), values) in enumerate(residuals):
                 f.create_dataset(f"residuals/rank{rank}", data=values).attrs.update(lo=lo, hi=hi)
+            for rank, values in enumerate(local):
+                if values is not None:
+                    f.create_dataset(f"aids/velocity/rank{rank}", data=values)
             epoch, batch = shards.position(step)
             f.create_group("data").attrs.update(
                 seed=shards.seed, epoch=epoch, batch=batch, steps_per_epoch=shards.steps_per_epoch,
@@ -60,7 +67,7 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: str, group: Group, config: TrainConfig, layout: ParamLayout,
-    params: Any, velocity: Any, reducer: FusedAllreduce, xp: Any,
+    params: Any, velocity: Any, reducer: FusedAllreduce, xp: Any, local_velocity: Any = None,
 ) -> int:
     """Restore the state in place; return the step to continue from.
 
@@ -79,4 +86,9 @@ def load_checkpoint(
             flat[...] = xp.asarray(host, dtype=flat.dtype, device=array_api_compat.device(flat))
         ds = f[f"residuals/rank{group.rank}"]
         reducer.load_residual((int(ds.attrs["lo"]), int(ds.attrs["hi"])), ds[...])
+        if local_velocity is not None:
+            if f"aids/velocity/rank{group.rank}" not in f:  # the same file on every rank: refused alike
+                raise ConfigError(f"cannot resume {path}: it holds no local velocity for momentum correction")
+            local_velocity[...] = xp.asarray(f[f"aids/velocity/rank{group.rank}"][...], dtype=local_velocity.dtype,
+                                             device=array_api_compat.device(local_velocity))
         return int(f.attrs["step"])

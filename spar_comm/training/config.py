@@ -40,6 +40,12 @@ class TrainConfig:
     weight_decay: float = 5e-4
     warmup: int = 20
     schedule: str = "cosine"
+    # Convergence aids (DGC, see aids.py): on for sparse algorithms, ignored by dense ones.
+    momentum_correction: bool = True
+    momentum_masking: bool = True
+    density_warmup: int = 4
+    density_warmup_start: float = 0.25
+    clip_norm: float = 0.0
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
@@ -67,6 +73,11 @@ class TrainConfig:
             found.append(f"--dtype must be float32 or float64, got {self.dtype!r}")
         if not 0 < self.density <= 1:
             found.append(f"--density must be in (0, 1], got {self.density}")
+        if not 0 < self.density_warmup_start <= 1:
+            found.append(f"--density-warmup-start must be in (0, 1], got {self.density_warmup_start}")
+        if self.momentum_masking and not self.momentum_correction:
+            found.append("--momentum-masking clears the corrected velocity: it needs momentum correction "
+                         "(add --no-momentum-masking)")
         if self.epochs is not None and self.steps is not None:
             found.append("give --epochs or --steps, not both")
         positive = dict(
@@ -78,7 +89,7 @@ class TrainConfig:
                 found.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         non_negative = dict(
             lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, warmup=self.warmup,
-            checkpoint_every=self.checkpoint_every,
+            checkpoint_every=self.checkpoint_every, density_warmup=self.density_warmup, clip_norm=self.clip_norm,
         )
         for name, value in non_negative.items():
             if value < 0:

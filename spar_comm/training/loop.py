@@ -19,7 +19,9 @@ from tqdm import tqdm
 from .. import __version__
 from ..consensus import raise_if_any
 from ..errors import ConfigError
+from ..files import BadFileError
 from ..topology import Topology
+from .aids import DensityWarmup, LocalAids, ScheduledAllreduce
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .control import StopControl
@@ -116,13 +118,16 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         )
     total = config.steps or (config.epochs or default_epochs(data.name)) * shards.steps_per_epoch
     lr_at = LearningRate(config.lr, total, config.warmup, config.schedule)
-    optimizer = SGD(params, xp, config.momentum, config.weight_decay)
-    allreduce = group.allreducer(config.algorithm, model.layout.size, config.dtype, config.density, config.selector)
+    warmup = DensityWarmup(config.density, config.density_warmup_start, config.density_warmup, shards.steps_per_epoch)
+    allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, warmup)
+    aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
+    optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
 
     # -- a fresh start (rank 0's weights everywhere) or a resume ------------------------
     start = 0
     if config.resume:
-        start = load_checkpoint(config.checkpoint, group, config, model.layout, params, optimizer.velocity, allreduce, xp)
+        start = load_checkpoint(config.checkpoint, group, config, model.layout, params, optimizer.velocity, allreduce, xp,
+                                local_velocity=aids.velocity)
     else:
         group.broadcast(params, xp)
     method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
@@ -135,6 +140,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         try:
             writer = TraceWriter(config.trace, trace_attributes(config, topology, model_name, data.name, model, shards, total),
                                  topology.hosts, resume_step=start if config.resume else None)
+        except BadFileError as exc:  # the trace a resumed run would append to
+            problem = f"cannot resume the trace {exc}"
         except OSError as exc:
             problem = f"cannot write the trace {config.trace}: {exc}"
     raise_if_any(topology.world, problem)
@@ -153,9 +160,11 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         batch = (xp.asarray(data.x_train[idx], device=device), xp.asarray(data.y_train[idx], device=device))
         t1 = time.perf_counter()
         loss, grad = model.loss_and_grad(params, batch)
+        grad = aids.before_allreduce(grad, params)
         t2 = time.perf_counter()
-        grad = allreduce(grad, xp)
+        grad = allreduce.at(step)(grad, xp)
         t3 = time.perf_counter()
+        aids.after_allreduce(grad)
         lr = lr_at(step)
         optimizer.step(params, grad, lr)
         t4 = time.perf_counter()
@@ -166,7 +175,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
             data=t1 - t0, compute=t2 - t1, select=last["t_select"], comm_intra=last["t_intra"],
             comm_inter=last["t_inter"], update=t4 - t3, step=time.perf_counter() - t0,
             bytes_intra=last["bytes_intra"], bytes_inter=last["bytes_inter"], k=last["k"],
-            threshold=last["threshold"], loss=loss, lr=lr,
+            threshold=last["threshold"], loss=loss, lr=lr, density=allreduce.density,
         ))
         loss_sum, loss_count = loss_sum + loss, loss_count + 1
         bar.update(1)
@@ -181,7 +190,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
             bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{accuracy:.4f}")
         if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total and not reason:
             recorder.flush()  # the trace then holds every step the checkpoint covers
-            save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards)
+            save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
+                                local_velocity=aids.velocity)
     wall = time.perf_counter() - began
     recorder.flush()
     bar.close()
@@ -191,7 +201,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     if evaluated_at != step:
         accuracy = evaluate(model, params, data, group, xp, device)
     if config.checkpoint:
-        save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards)
+        save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
+                            local_velocity=aids.velocity)
     if writer:
         writer.close()
     summary = None

@@ -19,7 +19,7 @@ PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "st
 BYTES = ("intra", "inter")
 EVAL = ("step", "epoch", "train_loss", "test_metric", "wall")
 #: The columns of one rank's record of one step, in the order the ranks send them.
-FIELDS = PHASES + ("bytes_intra", "bytes_inter", "k", "threshold", "loss", "lr")
+FIELDS = PHASES + ("bytes_intra", "bytes_inter", "k", "threshold", "loss", "lr", "density")
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -105,6 +105,7 @@ class TraceWriter:
         f.create_dataset("step", (0,), dtype="i8", **per_step)
         f.create_dataset("loss", (0,), dtype="f8", **per_step)
         f.create_dataset("lr", (0,), dtype="f8", **per_step)
+        f.create_dataset("density", (0,), dtype="f8", **per_step)
         for name in EVAL:
             f.create_dataset(f"eval/{name}", (0,), dtype="i8" if name == "step" else "f8", maxshape=(None,), chunks=(64,))
 
@@ -134,6 +135,7 @@ class TraceWriter:
             step=steps,
             loss=block[:, :, COLUMN["loss"]].mean(axis=1),
             lr=block[:, 0, COLUMN["lr"]],
+            density=block[:, 0, COLUMN["density"]],
         )
         self._extend(columns)
 

@@ -1,0 +1,173 @@
+"""Convergence aids for low density, after Lin et al., "Deep Gradient
+Compression" (ICLR'18): what lets top-k training at density 0.001 keep up
+with dense training.
+
+Each aid is a small transformation with explicit state, composed around the
+allreducer by the training loop (optax is the model):
+
+* **local gradient clipping**: each rank scales its gradient to a norm of at
+  most ``clip_norm / sqrt(world size)`` before anything accumulates it, so
+  one outlier batch cannot fill the residual with a huge value;
+* **momentum correction**: each rank keeps a local velocity
+  ``u = momentum*u + g + weight_decay*p`` and sends ``u``; the allreducer's
+  error-feedback residual is then DGC's accumulator ``v``, and the global
+  step applies the reduced update with plain SGD (no second momentum);
+* **momentum factor masking**: ``u`` is cleared where values were *sent*,
+  defined here as the positions where the reduced update is non-zero. That
+  is the union of what every rank (gtopk: the tree's winners; hitopk: every
+  node's shard selections) put on the wire, and every rank sees the same
+  result, so all ranks clear the same positions without another message. (A
+  selected value that is exactly zero leaves ``u`` alone there; its ``v`` was
+  zero, so nothing was delayed.);
+* **density warm-up**: the density falls exponentially from
+  ``density_warmup_start`` to the target over the first
+  ``density_warmup`` epochs (DGC's 0.25, 0.0625, 0.0156, 0.0039, then the
+  target 0.001). An allreducer's k is fixed (its exchange buffers are sized
+  for it), so ``ScheduledAllreduce`` builds a new one when the density
+  changes and carries the residual over.
+
+Conservation holds for what enters the allreducer: summed over ranks and
+steps, the reduced updates plus the residuals equal the sum of the ``u``
+sent. The aids apply only to sparse algorithms; dense ones are unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .config import TrainConfig
+from .distributed import FusedAllreduce, Group
+
+
+@dataclass(frozen=True)
+class DensityWarmup:
+    """The density of each step: ``start * (target/start)**(epoch/epochs)`` in
+    the first ``epochs`` epochs, then ``target``. A pure function of the step,
+    so every rank (and a resumed run) computes the same schedule."""
+
+    target: float
+    start: float
+    epochs: int
+    steps_per_epoch: int
+
+    def __call__(self, step: int) -> float:
+        epoch = step // self.steps_per_epoch
+        if epoch >= self.epochs or self.start <= self.target:
+            return self.target
+        return self.start * (self.target / self.start) ** (epoch / self.epochs)
+
+
+def clip_by_norm(grad: Any, max_norm: float, xp: Any) -> float:
+    """Scale ``grad`` in place to a 2-norm of at most ``max_norm``; returns the norm before."""
+    norm = float(xp.sqrt(xp.sum(grad * grad)))
+    if norm > max_norm:
+        grad *= max_norm / norm
+    return norm
+
+
+@dataclass(frozen=True)
+class MomentumCorrection:
+    """DGC's local momentum: the velocity is this rank's state, ``update``
+    turns a gradient into the velocity to send, ``mask`` clears what was sent."""
+
+    momentum: float
+    weight_decay: float
+    masking: bool
+
+    def init(self, params: Any, xp: Any) -> Any:
+        return xp.zeros_like(params)
+
+    def update(self, grad: Any, velocity: Any, params: Any) -> Tuple[Any, Any]:
+        """``u = momentum*u + g + weight_decay*p``, in place; ``grad`` then holds ``u``
+        (the allreducer overwrites its input, so the velocity must stay apart)."""
+        velocity *= self.momentum
+        velocity += grad
+        if self.weight_decay:
+            velocity += self.weight_decay * params
+        grad[...] = velocity
+        return grad, velocity
+
+    def mask(self, velocity: Any, reduced: Any, xp: Any) -> Any:
+        """Clear the velocity where the reduced update is non-zero (what was sent)."""
+        if self.masking:
+            velocity[...] = xp.where(reduced != 0, xp.zeros_like(velocity), velocity)
+        return velocity
+
+
+class LocalAids:
+    """The per-rank aids of one run, with their state (the local velocity).
+
+    ``before_allreduce`` clips and applies momentum correction to this rank's
+    gradient; ``after_allreduce`` masks. ``optimizer_momentum`` and
+    ``optimizer_weight_decay`` are what the global SGD must then use.
+    """
+
+    def __init__(self, config: TrainConfig, sparse: bool, world_size: int, params: Any, xp: Any):
+        self.xp = xp
+        on = sparse
+        self.clip: Optional[float] = config.clip_norm / math.sqrt(world_size) if on and config.clip_norm else None
+        self.correction = (MomentumCorrection(config.momentum, config.weight_decay, config.momentum_masking)
+                           if on and config.momentum_correction else None)
+        self.velocity = self.correction.init(params, xp) if self.correction else None
+        self.optimizer_momentum = 0.0 if self.correction else config.momentum
+        self.optimizer_weight_decay = 0.0 if self.correction else config.weight_decay
+
+    def before_allreduce(self, grad: Any, params: Any) -> Any:
+        if self.clip is not None:
+            clip_by_norm(grad, self.clip, self.xp)
+        if self.correction:
+            grad, self.velocity = self.correction.update(grad, self.velocity, params)
+        return grad
+
+    def after_allreduce(self, reduced: Any) -> None:
+        if self.correction:
+            self.velocity = self.correction.mask(self.velocity, reduced, self.xp)
+
+
+class ScheduledAllreduce:
+    """A ``FusedAllreduce`` whose density follows a schedule.
+
+    ``at(step)`` returns the allreducer of that step's density, building a new
+    one when the density changed (a collective: every rank computes the same
+    schedule, so all rebuild at the same step) and carrying this rank's
+    residual over with ``residual_state``/``load_residual_state``. Dense
+    algorithms keep their one allreducer. ``algorithm="auto"`` is resolved once,
+    at the target density, so the residual's layout never changes.
+    """
+
+    def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: DensityWarmup):
+        self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
+        self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, schedule.target, selector)
+        self.algorithm = self.current.reducer.name
+        self.density = schedule.target
+
+    def at(self, step: int) -> FusedAllreduce:
+        density = self.schedule(step) if self.current.sparse else self.density
+        if density != self.density:
+            span, values = self.current.residual()
+            fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector)
+            fresh.load_residual(span, values)
+            self.current.reducer.free()
+            self.current, self.density = fresh, density
+        return self.current
+
+    # The FusedAllreduce interface, for the loop and the checkpoint.
+    def __call__(self, grad: Any, xp: Any) -> Any:
+        return self.current(grad, xp)
+
+    @property
+    def last(self) -> dict:
+        return self.current.last
+
+    @property
+    def sparse(self) -> bool:
+        return self.current.sparse
+
+    def residual(self) -> Tuple[Tuple[int, int], np.ndarray]:
+        return self.current.residual()
+
+    def load_residual(self, span: Tuple[int, int], values: np.ndarray) -> None:
+        self.current.load_residual(span, values)
