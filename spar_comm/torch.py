@@ -1,0 +1,454 @@
+"""PyTorch: sparsified gradient allreduce inside your own training script.
+
+    import spar_comm.torch as sct
+    sct.broadcast_parameters(model)                  # rank 0's weights everywhere
+    optimizer = sct.DistributedOptimizer(optimizer, model.named_parameters(), density=0.001)
+    sct.broadcast_optimizer_state(optimizer)
+    ...
+    loss.backward()                                  # buckets are reduced while backward goes on
+    optimizer.step()                                 # waits for them, then steps
+
+Horovod's shape. Gradients are grouped into buckets of about ``bucket_cap_mb``
+in reverse registration order (the order in which backward produces them, as
+in DDP), each bucket with its own allreducer, so ``algorithm="auto"`` chooses
+per bucket. A bucket's allreduce starts on a communication thread as soon as
+its last gradient has been accumulated (``register_post_accumulate_grad_hook``)
+while backward goes on. Buckets start in index order on every rank whatever
+order their gradients arrive in, so the collectives of all ranks match. The
+averaged gradient is written back into each parameter's ``.grad``.
+
+torch is imported only here. CPU tensors only, until the GPU path exists.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .collectives import make_allreducer
+from .consensus import raise_if_any
+from .errors import ConfigError, SparCommError
+from .launch import abort_job
+from .topology import Topology
+
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
+
+#: The dtypes the allreducers take.
+_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+#: ``state_dict()["spar_comm"]["format"]``: bumped when the layout of the entry changes.
+STATE_FORMAT = 1
+#: A problem bit agreed over ranks at every synchronize.
+_TOO_MANY_PASSES = 1
+
+
+class _Bucket:
+    """Parameters reduced together: their flat buffer, its allreducer, and
+    how many of their gradients are final for this step."""
+
+    def __init__(self, index: int, entries: List[Tuple[str, torch.nn.Parameter]], reducer: Any):
+        self.index = index
+        self.names = [name for name, _ in entries]
+        self.params = [p for _, p in entries]
+        self.reducer = reducer
+        # Assembled where the allreducer reads it (the node's shared memory for hitopk/hier_dense).
+        self.flat = torch.from_numpy(reducer.buffer)
+        self.views: List[torch.Tensor] = []
+        start = 0
+        for p in self.params:
+            self.views.append(self.flat[start : start + p.numel()].view(p.shape))
+            start += p.numel()
+        self.passes = [0] * len(self.params)
+        self.waiting = len(self.params)
+        self.ready = False
+        self.times: Dict[str, float] = {}
+
+    def signature(self) -> List[Tuple[str, Tuple[int, ...], str]]:
+        return _signature(zip(self.names, self.params))
+
+    def reset(self) -> None:
+        self.passes = [0] * len(self.params)
+        self.waiting = len(self.params)
+        self.ready = False
+        self.times = {}
+
+    def reduce(self) -> None:
+        """Gather the gradients, allreduce in place, write the result back."""
+        self.times["start"] = time.perf_counter()
+        for view, p in zip(self.views, self.params):
+            view.copy_(p.grad)
+        self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer)
+        for view, p in zip(self.views, self.params):
+            p.grad.copy_(view)
+        self.times["end"] = time.perf_counter()
+
+
+class _DistributedOptimizer:
+    """Mixed into the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
+
+    def _spar_setup(self, named: List[Tuple[str, torch.nn.Parameter]], algorithm: str, density: float,
+                    selector: str, topology: Optional[Topology], bucket_cap_mb: float,
+                    backward_passes_per_step: int, dense: Sequence[Any], overlap: bool,
+                    error_feedback: bool) -> None:
+        self.topology = topology or Topology()
+        world = self.topology.world
+        self.backward_passes_per_step = backward_passes_per_step
+        planned = _bucket_entries(named, dense, bucket_cap_mb)
+        _require_same_buckets(world, [_signature(entries) for _, entries in planned])
+        self.buckets: List[_Bucket] = []
+        for index, (kind, entries) in enumerate(planned):
+            reducer = make_allreducer(
+                "dense" if kind == "dense" else algorithm, self.topology, sum(p.numel() for _, p in entries),
+                _DTYPES[entries[0][1].dtype], density, selector, error_feedback=error_feedback, shared_buffer=True,
+            )
+            self.buckets.append(_Bucket(index, entries, reducer))
+        self._comm = world.Dup()  # this class's own small collectives, never mixed with the allreducers'
+        self._flags = np.zeros(1, dtype=np.int32)
+        self._problems = 0
+        self._next = 0  # the lowest bucket index not yet started this step
+        self._in_flight = False
+        self._skip = False
+        self.last_wait = 0.0  # seconds the last synchronize() waited
+        self._errors: List[BaseException] = []
+        self._jobs: Optional[queue.Queue] = None
+        self._done = threading.Event()
+        if overlap:
+            self._jobs = queue.Queue()
+            threading.Thread(target=self._serve, name="spar_comm-allreduce", daemon=True).start()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook(bucket, i))
+            for bucket in self.buckets for i, p in enumerate(bucket.params)
+        ]
+
+    # -- backward ------------------------------------------------------------------------
+    def _hook(self, bucket: _Bucket, i: int):
+        def on_grad_accumulated(_: torch.Tensor) -> None:
+            bucket.passes[i] += 1
+            if bucket.passes[i] > self.backward_passes_per_step:
+                self._problems |= _TOO_MANY_PASSES  # agreed and raised at synchronize()
+            elif bucket.passes[i] == self.backward_passes_per_step:
+                bucket.waiting -= 1
+                if bucket.waiting == 0:
+                    self._mark_ready(bucket)
+
+        return on_grad_accumulated
+
+    def _mark_ready(self, bucket: _Bucket) -> None:
+        """Start every ready bucket whose predecessors have all started: the
+        same order on every rank, whatever order backward produced them in."""
+        bucket.ready = True
+        bucket.times["ready"] = time.perf_counter()
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def _start(self, bucket: _Bucket) -> None:
+        self._in_flight = True
+        if self._jobs is not None:
+            self._jobs.put(bucket)
+
+    # -- the communication thread --------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            self._run(job)
+
+    def _run(self, job: Any) -> None:
+        """A bucket, or None: the end of the step (agree on local problems)."""
+        try:
+            if job is None:
+                self._flags[0] = self._problems
+                self._comm.Allreduce(MPI.IN_PLACE, self._flags, op=MPI.BOR)
+                self._done.set()
+                return
+            try:
+                job.reduce()
+            except SparCommError as error:  # raised on every rank alike by the allreducer
+                self._errors.append(error)
+        except BaseException:
+            # Not agreed between ranks (a bug, memory): the others would wait for ever.
+            abort_job(self.topology.world, f"spar_comm.torch bucket {getattr(job, 'index', '')} allreduce")
+
+    # -- the public interface ------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every bucket is reduced and its ``.grad`` holds the mean.
+        Buckets whose gradients backward never produced (unused parameters, or
+        no backward at all) are reduced now, with zeros for missing ``.grad``."""
+        for bucket in self.buckets[self._next :]:
+            for p in bucket.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            bucket.ready = True
+        started = time.perf_counter()
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+            self._next += 1
+        if self._jobs is None:
+            for bucket in self.buckets:
+                self._run(bucket)
+            self._run(None)
+        else:
+            self._jobs.put(None)
+            self._done.wait()
+        self.last_wait = time.perf_counter() - started
+        self._done.clear()
+        errors, problems = self._errors, int(self._flags[0])
+        self._errors, self._problems, self._next, self._in_flight = [], 0, 0, False
+        for bucket in self.buckets:
+            bucket.reset()
+        if problems & _TOO_MANY_PASSES:
+            raise ConfigError(
+                f"a rank ran more than backward_passes_per_step={self.backward_passes_per_step} backward "
+                "passes before step(); the gradients of this step were not applied"
+            )
+        if errors:
+            raise errors[0]
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not synchronize: for code that called
+        ``synchronize()`` itself to work on the reduced gradients (clipping)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._skip:
+            self.synchronize()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._refuse_in_flight("zero_grad()")
+        super().zero_grad(set_to_none)
+
+    def bucket_timings(self) -> List[Dict[str, float]]:
+        """``perf_counter`` times of the last step's buckets: ``ready`` (its last
+        gradient accumulated; absent if synchronize started it), ``start`` and
+        ``end`` of its allreduce. Read it after backward, before ``step()``
+        resets it, or after ``synchronize()`` inside ``skip_synchronize``."""
+        return [dict(b.times) for b in self.buckets]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state plus every rank's error-feedback
+        residual per bucket, so any rank's copy can resume the whole job.
+        Collective: every rank calls it."""
+        self._refuse_in_flight("state_dict()")
+        state = super().state_dict()
+        mine = [b.reducer.residual_state() for b in self.buckets]
+        everyone = self._comm.allgather(mine)  # pickled: once per checkpoint, never on the hot path
+        state["spar_comm"] = {
+            "format": STATE_FORMAT,
+            "world_size": self._comm.size,
+            "buckets": [b.signature() for b in self.buckets],
+            "residuals": [[(tuple(span), torch.from_numpy(values)) for span, values in ranks] for ranks in everyone],
+        }
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` returned, in a job of the same world size
+        and bucket layout. Collective: a mismatch on any rank raises ConfigError
+        naming it on every rank, before anything is loaded."""
+        self._refuse_in_flight("load_state_dict()")
+        saved = state_dict.get("spar_comm")
+        problem = _state_problem(saved, self._comm.size, [b.signature() for b in self.buckets])
+        raise_if_any(self._comm, problem)
+        try:
+            super().load_state_dict({k: v for k, v in state_dict.items() if k != "spar_comm"})
+            problem = None
+        except (ValueError, KeyError, TypeError) as error:
+            problem = f"the wrapped optimizer refused its state: {error}"
+        raise_if_any(self._comm, problem)
+        for bucket, (span, values) in zip(self.buckets, saved["residuals"][self._comm.rank]):
+            bucket.reducer.load_residual_state(span, np.asarray(values))
+
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._in_flight:
+            raise RuntimeError(f"{what} while gradient allreduces are in flight: call step() or synchronize() first")
+
+
+def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it makes, as in Horovod)
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+    *,
+    algorithm: str = "hitopk",
+    density: float = 0.001,
+    selector: str = "mstopk",
+    topology: Optional[Topology] = None,
+    bucket_cap_mb: float = 25,
+    backward_passes_per_step: int = 1,
+    dense: Sequence[Any] = (),
+    overlap: bool = True,
+    error_feedback: bool = True,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies the mean of every rank's
+    gradient, reduced by ``algorithm`` in buckets that overlap backward.
+
+    Collective: every rank calls it with the same model. ``named_parameters``
+    names the parameters (default ``param.<i>`` in the optimizer's order) and
+    its order is the registration order. ``dense`` lists names (or the
+    parameters themselves) never to sparsify: embeddings, norms, heads.
+    ``backward_passes_per_step=N`` accumulates N backward passes locally before
+    one allreduce. ``overlap=False`` reduces every bucket at ``step()`` instead.
+    The returned object is an instance of the optimizer's own class (so LR
+    schedulers accept it) sharing its parameter groups and state; use it
+    instead of ``optimizer`` from now on. Bad or disagreeing settings raise
+    ConfigError on every rank.
+    """
+    topology = topology or Topology()
+    named, problem = _named_parameters(optimizer, named_parameters)
+    if problem is None:
+        problem = _settings_problem(named, dense, bucket_cap_mb, backward_passes_per_step)
+    raise_if_any(topology.world, problem)
+    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
+    wrapped._spar_setup(named, algorithm, density, selector, topology, bucket_cap_mb, backward_passes_per_step,
+                        dense, overlap, error_feedback)
+    return wrapped
+
+
+def broadcast_parameters(module: Any, root: int = 0, comm: Optional[MPI.Comm] = None) -> None:
+    """Overwrite every parameter and buffer of ``module`` (an ``nn.Module``, or
+    an iterable of (name, tensor)) with ``root``'s, in place. Collective; a
+    rank whose tensors differ in name, shape or dtype from root's gets
+    ConfigError on every rank, before anything is overwritten."""
+    comm = comm or MPI.COMM_WORLD
+    named = list(module.state_dict().items()) if isinstance(module, torch.nn.Module) else list(module)
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
+    reference = comm.bcast(layout, root=root)
+    problem = None
+    if layout != reference:
+        problem = f"its tensors differ from rank {root}'s: {_first_difference(layout, reference)}"
+    elif any(t.device.type != "cpu" for _, t in named):
+        problem = "CUDA tensors need the GPU path, which is not built yet"
+    raise_if_any(comm, problem)
+    with torch.no_grad():
+        for _, tensor in named:
+            host = tensor.detach().contiguous()
+            comm.Bcast(host.numpy(), root=root)
+            if host.data_ptr() != tensor.data_ptr():
+                tensor.copy_(host)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
+                              comm: Optional[MPI.Comm] = None) -> None:
+    """Give every rank ``root``'s optimizer state and hyper-parameters (the
+    wrapped optimizer's own; residuals stay each rank's). Collective."""
+    comm = comm or MPI.COMM_WORLD
+    own = torch.optim.Optimizer.state_dict(optimizer) if comm.rank == root else None
+    state = comm.bcast(own, root=root)  # pickled: once, at start-up
+    problem = None
+    if comm.rank != root:
+        try:
+            torch.optim.Optimizer.load_state_dict(optimizer, state)
+        except (ValueError, KeyError, TypeError) as error:
+            problem = f"cannot take rank {root}'s optimizer state: {error}"
+    raise_if_any(comm, problem)
+
+
+# -- construction helpers ------------------------------------------------------------------
+def _named_parameters(optimizer: torch.optim.Optimizer, named: Optional[Iterable]) -> Tuple[List, Optional[str]]:
+    """The optimizer's parameters that take gradients, named, in registration order."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return [], f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
+    ours = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if named is None:
+        return [(f"param.{i}", p) for i, p in enumerate(ours)], None
+    named = list(named)
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        return [], "named_parameters has repeated names"
+    by_id = {id(p): (n, p) for n, p in named}
+    missing = [i for i, p in enumerate(ours) if id(p) not in by_id]
+    if missing:
+        return [], f"{len(missing)} of the optimizer's parameters are not in named_parameters"
+    wanted = {id(p) for p in ours}
+    return [(n, p) for n, p in named if id(p) in wanted], None
+
+
+def _settings_problem(named: List, dense: Sequence[Any], bucket_cap_mb: Any, passes: Any) -> Optional[str]:
+    if not named:
+        return "the optimizer has no parameters that take gradients"
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        return f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}"
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        return f"backward_passes_per_step must be an integer >= 1, got {passes!r}"
+    names = {n for n, _ in named}
+    unknown = [d for d in dense if isinstance(d, str) and d not in names]
+    if unknown:
+        return f"dense= names no parameter: {', '.join(map(repr, unknown))}"
+    for name, p in named:
+        if p.dtype not in _DTYPES:
+            return f"parameter {name!r} is {p.dtype}; the allreducers take float32 and float64"
+        if p.device.type != "cpu":
+            return f"parameter {name!r} is on {p.device}: CUDA tensors need the GPU path, which is not built yet"
+    return None
+
+
+def _bucket_entries(named: List, dense: Sequence[Any], cap_mb: float) -> List[Tuple[str, List]]:
+    """Buckets of at most about ``cap_mb`` each, filled in reverse registration
+    order; parameters named in ``dense`` and each dtype fill buckets of their
+    own, so one open bucket per (kind, dtype) at a time."""
+    keep_dense = {d for d in dense if isinstance(d, str)} | {id(d) for d in dense if isinstance(d, torch.Tensor)}
+    cap = cap_mb * 2**20
+    closed: List[Tuple[str, List]] = []
+    open_: Dict[Tuple[str, torch.dtype], List] = {}
+    filled: Dict[Tuple[str, torch.dtype], int] = {}
+    for name, p in reversed(named):
+        key = ("dense" if name in keep_dense or id(p) in keep_dense else "sparse", p.dtype)
+        open_.setdefault(key, []).append((name, p))
+        filled[key] = filled.get(key, 0) + p.numel() * p.element_size()
+        if filled[key] >= cap:
+            closed.append((key[0], open_.pop(key)))
+            del filled[key]
+    closed += [(kind, entries) for (kind, _), entries in open_.items()]
+    return closed
+
+
+def _signature(entries: Iterable[Tuple[str, torch.Tensor]]) -> List[Tuple[str, Tuple[int, ...], str]]:
+    """What every rank's bucket must agree on: names, shapes and dtypes."""
+    return [(name, tuple(p.shape), _DTYPES[p.dtype]) for name, p in entries]
+
+
+def _require_same_buckets(comm: MPI.Comm, signature: List) -> None:
+    """ConfigError on every rank unless every rank formed the same buckets."""
+    everyone = comm.allgather(signature)  # pickled: once, at construction
+    problems = [
+        f"rank {r}: {_first_difference(_flat(theirs), _flat(everyone[0]))}"
+        for r, theirs in enumerate(everyone) if theirs != everyone[0]
+    ]
+    if problems:
+        raise ConfigError("ranks formed different gradient buckets (the models differ): " + "; ".join(problems)
+                          + " (compared with rank 0)")
+
+
+def _flat(signature: List) -> List:
+    return [entry for bucket in signature for entry in bucket]
+
+
+def _first_difference(mine: List, reference: List) -> str:
+    for a, b in zip(mine, reference):
+        if a != b:
+            return f"{a} where the reference has {b}"
+    return f"{len(mine)} tensors where the reference has {len(reference)}"
+
+
+def _state_problem(saved: Any, world_size: int, signature: List) -> Optional[str]:
+    if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
+        return ("the state_dict has no spar_comm entry of format "
+                f"{STATE_FORMAT} (was it saved by a DistributedOptimizer?)")
+    if saved.get("world_size") != world_size:
+        return f"the state_dict was saved by {saved.get('world_size')} ranks; this job has {world_size}"
+    theirs = [[tuple((n, tuple(s), d)) for n, s, d in bucket] for bucket in saved.get("buckets", [])]
+    if theirs != [[tuple(e) for e in bucket] for bucket in signature]:
+        if len(theirs) != len(signature):
+            return f"the state_dict has {len(theirs)} gradient buckets; this optimizer has {len(signature)}"
+        return f"the state_dict's gradient buckets differ: {_first_difference(_flat(signature), _flat(theirs))}"
+    return None

@@ -1,0 +1,287 @@
+"""spar_comm.torch under MPI: each bucket against the serial reference, the
+dense mean to the bit, overlap with backward, accumulation, dense=
+exclusions, the state_dict round trip and resume, and bad input on one rank."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+
+import spar_comm.torch as sct  # noqa: E402
+from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
+from reference import Reference  # noqa: E402
+from spar_comm import ALGORITHMS, ConfigError, NonFiniteGradientError  # noqa: E402
+from test_collectives_mpi import integer_grads  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+torch.set_num_threads(1)  # the ranks fill the cores already
+SHAPES = [(7, 5), (5,), (30,), (4, 4), (11,)]  # registration order
+
+
+class Controlled(torch.nn.Module):
+    """Parameters whose gradients the test chooses: loss = sum(p * g)."""
+
+    def __init__(self, shapes=SHAPES, dtype=torch.float32):
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes])
+
+    def backward_with(self, grads) -> None:
+        sum((p * torch.from_numpy(g).reshape(p.shape)).sum() for p, g in zip(self.ps, grads)).backward()
+
+
+def rank_grads(seed: int, step: int, dtype=np.float32):
+    """grads[rank][param]: every rank's gradients, known to all ranks, exact to sum."""
+    sizes = [int(np.prod(s)) for s in SHAPES]
+    flat = integer_grads(seed, step, COMM.size, sum(sizes), dtype)
+    cuts = np.cumsum(sizes)[:-1]
+    return [np.split(f, cuts) for f in flat]
+
+
+def wrap(model, topology, **options):
+    options.setdefault("bucket_cap_mb", 40 * 4 / 2**20)  # about 40 floats: several buckets
+    return sct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                                    topology=topology, **options)
+
+
+def bucket_gradient(opt, bucket) -> np.ndarray:
+    return torch.cat([p.grad.flatten() for p in bucket.params]).numpy()
+
+
+def bucket_of(grads_of_rank, model, bucket) -> np.ndarray:
+    index = {id(p): i for i, p in enumerate(model.ps)}
+    return np.concatenate([grads_of_rank[index[id(p)]] for p in bucket.params])
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_every_bucket_matches_the_serial_reference(topology, algorithm):
+    model = Controlled()
+    opt = wrap(model, topology, algorithm=algorithm, density=0.2, selector="exact")
+    assert_all(COMM, len(opt.buckets) >= 2, f"{len(opt.buckets)} buckets")
+    refs = [Reference(algorithm, COMM.size, topology.emulated_ranks_per_node, sum(p.numel() for p in b.params),
+                      "float32", 0.2) for b in opt.buckets]
+    for step in range(3):
+        grads = rank_grads(7, step)
+        opt.zero_grad()
+        model.backward_with(grads[COMM.rank])
+        opt.synchronize()
+        for bucket, ref in zip(opt.buckets, refs):
+            expected = ref.step([bucket_of(g, model, bucket) for g in grads])
+            got = bucket_gradient(opt, bucket)
+            assert_all(COMM, np.array_equal(got, expected), f"step {step} bucket {bucket.index} differs")
+            assert_all(COMM, np.array_equal(bucket.reducer.residual_full(), ref.residuals[COMM.rank]),
+                       f"step {step} bucket {bucket.index}: residual differs")
+            assert_identical_bits(COMM, got, "bucket gradient")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_dense_gives_the_mean_of_the_ranks_gradients_to_the_bit(topology):
+    model = Controlled(dtype=torch.float64)
+    opt = wrap(model, topology, algorithm="dense")
+    grads = rank_grads(3, 0, np.float64)
+    model.backward_with(grads[COMM.rank])
+    opt.step()  # synchronizes, then SGD with lr 0.5 from zero weights: p = -0.5 * mean
+    for i, p in enumerate(model.ps):
+        mean = sum(g[i] for g in grads) / COMM.size  # rank order; exact sums, one rounding
+        assert_all(COMM, np.array_equal(p.grad.numpy().ravel(), mean), f"parameter {i}: grad is not the mean")
+        assert_all(COMM, np.array_equal(p.detach().numpy().ravel(), -0.5 * mean), f"parameter {i}: step")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["topka", "gtopk", "hitopk", "hitopk_leader"])
+def test_sparse_buckets_conserve_gradient_mass(topology, algorithm):
+    model = Controlled(dtype=torch.float64)
+    opt = wrap(model, topology, algorithm=algorithm, density=0.05)
+    raw = [np.zeros(sum(p.numel() for p in b.params)) for b in opt.buckets]
+    applied = [np.zeros_like(r) for r in raw]
+    for step in range(4):
+        grads = rank_grads(11, step, np.float64)
+        opt.zero_grad()
+        model.backward_with(grads[COMM.rank])
+        opt.synchronize()
+        for b, bucket in enumerate(opt.buckets):
+            raw[b] += sum(bucket_of(g, model, bucket) for g in grads)
+            applied[b] += bucket_gradient(opt, bucket) * COMM.size
+    for b, bucket in enumerate(opt.buckets):
+        residuals = COMM.allreduce(bucket.reducer.residual_full(), op=MPI.SUM)
+        assert_all(COMM, np.allclose(applied[b] + residuals, raw[b], rtol=0, atol=1e-9),
+                   f"bucket {b}: applied + residuals != raw gradients")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_bucket_starts_while_backward_is_still_running(topology):
+    """The hook of the first layer (whose gradient comes last) holds backward
+    until the last layer's bucket has started: it can only start if buckets
+    overlap backward. Nothing here depends on how fast the machine is."""
+    layers = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    opt = sct.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=0.1), layers.named_parameters(),
+                                   topology=topology, algorithm="hitopk", density=0.1, bucket_cap_mb=33 * 32 * 4 / 2**20)
+    started_in_backward = []
+
+    def hold(_):
+        deadline = time.monotonic() + 30
+        while "start" not in opt.bucket_timings()[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        started_in_backward.append("start" in opt.bucket_timings()[0])
+
+    layers[0].weight.register_post_accumulate_grad_hook(hold)
+    loss = layers(torch.randn(16, 32)).square().mean()
+    loss.backward()
+    ended = time.perf_counter()
+    opt.synchronize()
+    times = opt.bucket_timings()  # reset by synchronize: check what the hold saw
+    assert_all(COMM, started_in_backward == [True], "bucket 0 had not started while backward waited")
+    assert_all(COMM, len(opt.buckets) >= 3, f"{len(opt.buckets)} buckets")
+    assert_all(COMM, times == [{}] * len(opt.buckets), "timings not reset by synchronize")
+    assert_all(COMM, ended > 0)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_accumulates_backward_passes_before_one_allreduce(topology):
+    model = Controlled(dtype=torch.float64)
+    opt = wrap(model, topology, algorithm="dense", backward_passes_per_step=2)
+    first, second = rank_grads(5, 0, np.float64), rank_grads(5, 1, np.float64)
+    model.backward_with(first[COMM.rank])
+    assert_all(COMM, all(t == {} for t in opt.bucket_timings()), "a bucket started after one of two passes")
+    model.backward_with(second[COMM.rank])
+    opt.synchronize()
+    for i, p in enumerate(model.ps):
+        mean = sum(a[i] + b[i] for a, b in zip(first, second)) / COMM.size
+        assert_all(COMM, np.array_equal(p.grad.numpy().ravel(), mean), f"parameter {i}")
+    # A third pass before step() on one rank only: refused on every rank, nothing hangs.
+    model.backward_with(first[COMM.rank])
+    if COMM.rank == COMM.size - 1:
+        model.backward_with(first[COMM.rank])
+    model.backward_with(second[COMM.rank])
+    with pytest.raises(ConfigError, match="backward_passes_per_step=2"):
+        opt.step()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_parameters_named_dense_are_never_sparsified(topology):
+    model = Controlled(dtype=torch.float64)
+    opt = wrap(model, topology, algorithm="hitopk", density=0.01, dense=["ps.2", model.ps[4]])
+    kinds = {n: b.reducer.name for b in opt.buckets for n in b.names}
+    assert_all(COMM, kinds["ps.2"] == kinds["ps.4"] == "dense", f"{kinds}")
+    assert_all(COMM, {kinds[f"ps.{i}"] for i in (0, 1, 3)} == {"hitopk"}, f"{kinds}")
+    grads = rank_grads(9, 0, np.float64)
+    model.backward_with(grads[COMM.rank])
+    opt.synchronize()
+    for i in (2, 4):
+        mean = sum(g[i] for g in grads) / COMM.size
+        assert_all(COMM, np.array_equal(model.ps[i].grad.numpy().ravel(), mean), f"ps.{i} is not the exact mean")
+
+
+def digits_like(step: int):
+    rng = np.random.default_rng([COMM.rank, step])
+    return torch.from_numpy(rng.standard_normal((8, 12)).astype(np.float32)), torch.from_numpy(rng.integers(0, 4, 8))
+
+
+def small_net(seed: int = 0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 4))
+
+
+def train_steps(net, opt, steps):
+    for step in steps:
+        x, y = digits_like(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
+def make_run(topology, seed=0):
+    net = small_net(seed)
+    sct.broadcast_parameters(net)
+    opt = sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), net.named_parameters(),
+                                   topology=topology, algorithm="hitopk", density=0.1, bucket_cap_mb=0.001)
+    return net, opt
+
+
+@pytest.mark.mpi(min_size=1)
+def test_state_dict_round_trip_resumes_to_the_same_bits(topology):
+    net, opt = make_run(topology)
+    train_steps(net, opt, range(6))
+    straight = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy().copy()
+
+    net, opt = make_run(topology)
+    train_steps(net, opt, range(3))
+    saved_model, saved_opt = net.state_dict(), opt.state_dict()
+    assert_all(COMM, len(saved_opt["spar_comm"]["residuals"]) == COMM.size, "not every rank's residuals")
+    net, opt = make_run(topology, seed=1)  # other weights and empty state, then loaded
+    net.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    train_steps(net, opt, range(3, 6))
+    resumed = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy()
+    assert_all(COMM, np.array_equal(straight, resumed), "resumed run differs from the one that never stopped")
+    assert_identical_bits(COMM, resumed, "parameters")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_state_of_another_layout_is_refused_on_every_rank(topology):
+    net, opt = make_run(topology)
+    state = opt.state_dict()
+    other = torch.nn.Sequential(torch.nn.Linear(12, 25), torch.nn.ReLU(), torch.nn.Linear(25, 4))
+    wrapped = sct.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(),
+                                       topology=topology, algorithm="hitopk", density=0.1, bucket_cap_mb=0.001)
+    with pytest.raises(ConfigError, match="buckets"):
+        wrapped.load_state_dict(state)
+    state["spar_comm"]["world_size"] += 1
+    with pytest.raises(ConfigError, match=f"saved by {COMM.size + 1} ranks"):
+        opt.load_state_dict(state)
+    with pytest.raises(ConfigError, match="no spar_comm entry"):
+        opt.load_state_dict(torch.optim.SGD(net.parameters(), lr=0.1).state_dict())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["shape", "dtype"])
+def test_a_different_model_on_one_rank_is_refused_on_every_rank(topology, case):
+    odd = COMM.rank == COMM.size - 1
+    width = 25 if case == "shape" and odd else 24
+    dtype = torch.float64 if case == "dtype" and odd else torch.float32
+    net = torch.nn.Sequential(torch.nn.Linear(12, width), torch.nn.Linear(width, 4)).to(dtype)
+    with pytest.raises(ConfigError, match=f"rank {COMM.size - 1}"):
+        sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                 topology=topology, algorithm="hitopk")
+    with pytest.raises(ConfigError, match="differ from rank 0"):
+        sct.broadcast_parameters(net)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(topology):
+    model = Controlled()
+    opt = wrap(model, topology, algorithm="hitopk", density=0.2)
+    grads = rank_grads(2, 0)
+    if COMM.rank == 0:
+        grads[0][1][0] = np.nan
+    model.backward_with(grads[COMM.rank])
+    with pytest.raises(NonFiniteGradientError, match="rank 0"):
+        opt.step()
+    assert_all(COMM, all(not p.detach().any() for p in model.ps), "parameters changed by a refused step")
+    opt.zero_grad()  # the next step works: no rank was stranded
+    model.backward_with(rank_grads(2, 1)[COMM.rank])
+    opt.step()
+    assert_identical_bits(COMM, torch.cat([p.detach().flatten() for p in model.ps]).numpy(), "parameters")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_misuse_is_named(topology):
+    model = Controlled()
+    with pytest.raises(ConfigError, match="dense= names no parameter: 'nope'"):
+        wrap(model, topology, dense=["nope"])
+    with pytest.raises(ConfigError, match="backward_passes_per_step"):
+        wrap(model, topology, backward_passes_per_step=0)
+    with pytest.raises(ConfigError, match="bucket_cap_mb"):
+        wrap(model, topology, bucket_cap_mb=0)
+    with pytest.raises(ConfigError, match="float32 and float64"):
+        wrap(Controlled(dtype=torch.float16), topology)
+    opt = wrap(model, topology, algorithm="dense", overlap=False)
+    model.backward_with(rank_grads(1, 0)[COMM.rank])
+    with pytest.raises(RuntimeError, match="in flight"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
