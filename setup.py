@@ -28,7 +28,9 @@ setup(
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "hypothesis", "matplotlib"],
         # analyze.py --plot
         "plot": ["matplotlib"],
-        # the PyTorch autograd adapter (train.py --model cnn)
-        "torch": ["torch"],
+        # spar_comm.torch (DistributedOptimizer) and the autograd adapter (train.py --model cnn)
+        "torch": ["torch>=2.1"],
+        # spar_comm.jax (an optax GradientTransformation)
+        "jax": ["jax", "optax"],
     },
 )

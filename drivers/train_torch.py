@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""A plain PyTorch script (an nn.Module, a DataLoader over the digits data,
+torch.optim.SGD) made data-parallel by spar_comm: the lines marked
+``# spar_comm`` are the whole change.
+
+    mpiexec -n 4 python drivers/train_torch.py
+    mpiexec -n 4 python drivers/train_torch.py --algorithm dense
+"""
+import argparse
+
+import torch
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from mpi4py import MPI                                                               # spar_comm
+import spar_comm.torch as sct                                                        # spar_comm
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithm", default="hitopk", help="gradient allreduce (default: %(default)s)")
+    parser.add_argument("--density", type=float, default=0.01, help="fraction of gradients sent (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=20, help="(default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.05, help="(default: %(default)s)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    x, y = load_digits(return_X_y=True)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))  # the same split on every rank
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32)[order], torch.tensor(y)[order]
+    train, test_x, test_y = TensorDataset(x[:1440], y[:1440]), x[1440:], y[1440:]
+    comm = MPI.COMM_WORLD
+    sampler = DistributedSampler(train, num_replicas=comm.size, rank=comm.rank)      # spar_comm
+    loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sct.broadcast_parameters(model)                                                  # spar_comm
+    optimizer = sct.DistributedOptimizer(optimizer, model.named_parameters(),        # spar_comm
+                                         algorithm=args.algorithm, density=args.density)
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
+        if comm.rank == 0:
+            print(f"epoch {epoch + 1:3d}  loss {loss.item():.4f}  held-out accuracy {accuracy:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
