@@ -2,6 +2,7 @@
 lines, trains under mpiexec; its change stays about five lines."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -26,3 +27,23 @@ def test_the_example_trains_on_two_ranks():
     assert len(lines) == 3, run.stdout  # rank 0 alone prints
     accuracy = float(lines[-1].split()[-1])
     assert accuracy > 0.5, run.stdout  # ten classes: chance is 0.1
+
+
+def test_bench_overlap_writes_its_table_and_json(tmp_path):
+    out = tmp_path / "overlap.json"
+    run = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(ROOT / "drivers" / "bench_overlap.py"),
+                          "--inputs", "16", "--hidden", "64", "--layers", "2", "--bucket-cap-mb", "0.01",
+                          "--warmup", "1", "--repeat", "2", "--algorithms", "hitopk", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())["results"][0]
+    assert result["algorithm"] == "hitopk" and result["buckets"] >= 2
+    assert result["parameters"] == 16 * 64 + 64 + 2 * (64 * 64 + 64) + 64 * 10 + 10
+    assert result["sync"]["wait"] > 0 and result["overlap"]["step"] > 0
+    assert "hidden" in run.stdout
+
+
+def test_bench_overlap_refuses_a_bad_algorithm():
+    run = subprocess.run([sys.executable, str(ROOT / "drivers" / "bench_overlap.py"), "--algorithms", "nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "one of dense" in run.stderr

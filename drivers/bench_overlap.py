@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""How much gradient communication spar_comm.torch hides behind backward.
+
+A torch MLP (about 17M parameters by default) trains the same steps twice
+over: once with buckets reduced on the communication thread while backward
+runs (overlap), once with every bucket reduced after backward (sync). The two
+alternate step by step, so a slow spell of the machine hits both alike. Each
+step counts the slowest rank; figures are medians after warm-up.
+
+    hidden = (sync step - overlap step) / communication
+
+where communication is what the sync run waits in synchronize(). JSON out.
+
+    mpiexec -n 4 python drivers/bench_overlap.py --ranks-per-node 2 --out overlap.json
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores already
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import spar_comm  # noqa: E402
+import spar_comm.torch as sct  # noqa: E402
+from spar_comm import ALGORITHMS, Topology  # noqa: E402
+from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
+from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.launch import run_main  # noqa: E402
+
+MODES = ("overlap", "sync")
+#: Per step: step, forward+backward, time waited in synchronize.
+FIGURES = ("step", "backward", "wait")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_overlap.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithms", type=comma_list(str, ALGORITHMS.__contains__, f"one of {', '.join(ALGORITHMS)}"),
+                        default=["hitopk", "dense"], help="comma-separated (default: hitopk,dense)")
+    parser.add_argument("--density", type=density, default=0.001, help="(default: %(default)s)")
+    parser.add_argument("--inputs", type=positive_int, default=256, help="MLP input width (default: %(default)s)")
+    parser.add_argument("--hidden", type=positive_int, default=2048, help="MLP width (default: %(default)s)")
+    parser.add_argument("--layers", type=positive_int, default=4,
+                        help="hidden-to-hidden layers (default: %(default)s; with the defaults ~17.3M parameters)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank (default: %(default)s)")
+    parser.add_argument("--bucket-cap-mb", type=positive_float, default=25, help="(default: %(default)s)")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=None,
+                        help="emulate nodes of this many consecutive ranks (default: real nodes)")
+    parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps per mode (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=8, help="timed steps per mode (default: %(default)s)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def mlp(args: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(0)
+    widths = [args.inputs] + [args.hidden] * (args.layers + 1)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
+
+
+def timed_step(model, opt, x, y) -> list:
+    """One training step: its time, forward+backward, and the wait in synchronize."""
+    start = time.perf_counter()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    backward = time.perf_counter() - start
+    opt.step()
+    return [time.perf_counter() - start, backward, opt.last_wait]
+
+
+def measure(args: argparse.Namespace, algorithm: str, topology: Topology) -> dict:
+    runs = {}
+    for mode in MODES:
+        model = mlp(args)
+        opt = sct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), model.named_parameters(),
+                                       algorithm=algorithm, density=args.density, topology=topology,
+                                       bucket_cap_mb=args.bucket_cap_mb, overlap=mode == "overlap")
+        runs[mode] = (model, opt)
+    rng = np.random.default_rng(topology.world.rank)
+    x = torch.from_numpy(rng.standard_normal((args.batch_size, args.inputs)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 10, args.batch_size))
+    rows = np.zeros((len(MODES), args.repeat, len(FIGURES)))
+    for i in range(args.warmup + args.repeat):
+        for m, mode in enumerate(MODES):
+            topology.world.Barrier()
+            figures = timed_step(*runs[mode], x, y)
+            if i >= args.warmup:
+                rows[m, i - args.warmup] = figures
+    slowest = np.empty_like(rows)
+    topology.world.Allreduce(rows, slowest, op=MPI.MAX)
+    medians = {mode: dict(zip(FIGURES, np.median(slowest[m], axis=0).tolist())) for m, mode in enumerate(MODES)}
+    comm = medians["sync"]["wait"]
+    saved = medians["sync"]["step"] - medians["overlap"]["step"]
+    model, opt = runs["overlap"]
+    return dict(
+        algorithm=algorithm, parameters=sum(p.numel() for p in model.parameters()), buckets=len(opt.buckets),
+        overlap=medians["overlap"], sync=medians["sync"], communication=comm, backward=medians["sync"]["backward"],
+        hidden=saved / comm if comm > 0 else 0.0,
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    world = MPI.COMM_WORLD
+    problem = None
+    if args.out and world.rank == 0 and not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):
+        problem = f"cannot write --out {args.out}"
+    raise_if_any(world, problem)
+    torch.set_num_threads(1)
+    topology = Topology(ranks_per_node=args.ranks_per_node)
+    results = [measure(args, algorithm, topology) for algorithm in args.algorithms]
+    if world.rank:
+        return
+    print(f"{world.size} ranks, {topology.describe().split(';')[0]}; ms per step, slowest rank, median of {args.repeat}")
+    print(f"{'algorithm':<14}{'params':>12}{'buckets':>8}{'backward':>10}{'comm':>9}{'sync':>9}{'overlap':>9}{'hidden':>8}")
+    for r in results:
+        print(f"{r['algorithm']:<14}{r['parameters']:>12,}{r['buckets']:>8}{1e3 * r['backward']:>10.1f}"
+              f"{1e3 * r['communication']:>9.1f}{1e3 * r['sync']['step']:>9.1f}{1e3 * r['overlap']['step']:>9.1f}"
+              f"{100 * r['hidden']:>7.0f}%")
+    if args.out:
+        document = dict(
+            benchmark="bench_overlap", version=spar_comm.__version__, world_size=world.size,
+            topology=topology.describe(), created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            settings={k: v for k, v in vars(args).items() if k != "out"}, results=results,
+        )
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(document, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    run_main(main, "bench_overlap.py")
