@@ -13,7 +13,6 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from mpi4py import MPI                                                               # spar_comm
 import spar_comm.torch as sct                                                        # spar_comm
 
 
@@ -32,8 +31,7 @@ def main():
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))  # the same split on every rank
     x, y = torch.tensor(x / 16.0, dtype=torch.float32)[order], torch.tensor(y)[order]
     train, test_x, test_y = TensorDataset(x[:1440], y[:1440]), x[1440:], y[1440:]
-    comm = MPI.COMM_WORLD
-    sampler = DistributedSampler(train, num_replicas=comm.size, rank=comm.rank)      # spar_comm
+    sampler = DistributedSampler(train, num_replicas=sct.size(), rank=sct.rank())    # spar_comm
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
@@ -44,7 +42,7 @@ def main():
                                          algorithm=args.algorithm, density=args.density)
 
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)                                                     # spar_comm
         for xb, yb in loader:
             optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xb), yb)
@@ -52,7 +50,7 @@ def main():
             optimizer.step()
         with torch.no_grad():
             accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-        if comm.rank == 0:
+        if sct.rank() == 0:                                                          # spar_comm
             print(f"epoch {epoch + 1:3d}  loss {loss.item():.4f}  held-out accuracy {accuracy:.4f}", flush=True)
 
 

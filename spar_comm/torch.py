@@ -37,7 +37,7 @@ from .errors import ConfigError, SparCommError
 from .launch import abort_job
 from .topology import Topology
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "rank", "size"]
 
 #: The dtypes the allreducers take.
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -271,6 +271,16 @@ class _DistributedOptimizer:
     def _refuse_in_flight(self, what: str) -> None:
         if self._in_flight:
             raise RuntimeError(f"{what} while gradient allreduces are in flight: call step() or synchronize() first")
+
+
+def rank() -> int:
+    """This process's rank in MPI.COMM_WORLD (for a sampler, or to print once)."""
+    return MPI.COMM_WORLD.rank
+
+
+def size() -> int:
+    """The number of ranks in MPI.COMM_WORLD."""
+    return MPI.COMM_WORLD.size
 
 
 def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it makes, as in Horovod)

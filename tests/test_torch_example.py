@@ -16,7 +16,7 @@ SCRIPT = ROOT / "drivers" / "train_torch.py"
 
 def test_the_change_to_a_plain_script_is_about_five_marked_lines():
     marked = [line for line in SCRIPT.read_text().splitlines() if line.rstrip().endswith("# spar_comm")]
-    assert 4 <= len(marked) <= 6, marked
+    assert 5 <= len(marked) <= 8, marked
 
 
 def test_the_example_trains_on_two_ranks():
