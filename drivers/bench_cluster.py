@@ -12,21 +12,34 @@ measured) and as one table at the end; the cluster is removed at the end, on
 Ctrl-C and on failure.
 
     python drivers/bench_cluster.py --out cluster.json
+    python drivers/bench_cluster.py --time-to-accuracy --out tta.json --traces runs/tta
+
+``--time-to-accuracy`` trains a communication-bound workload (``--workload``,
+by default the digits MLP with 1.1M parameters at density 0.001) with every
+``--tta-algorithms`` on every layout at every ``--tta-rates``, and reports
+wall time and epochs to ``--target`` held-out accuracy, the final accuracy
+after the same epochs, and the bytes sent between nodes, from the traces.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional, Sequence
 
 from spar_comm import ALGORITHMS, costmodel, emucluster
 from spar_comm.cli import comma_list, positive_int
 from spar_comm.training.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
+#: The communication-bound workload: the digits MLP with two hidden layers of
+#: 1024 (1,126,410 parameters), 10 epochs, density 0.001 for the sparse ones.
+WORKLOAD = "--hidden 1024 --epochs 10 --density 0.001"
 DENSE = ("dense", "hier_dense")
 
 
@@ -64,6 +77,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach (default: %(default)s)")
     parser.add_argument("--skip-bench", action="store_true", help="only the training runs")
     parser.add_argument("--report", metavar="JSON", help="print the tables of an earlier --out file; run nothing")
+    tta = parser.add_argument_group("time to accuracy (--time-to-accuracy)")
+    tta.add_argument("--time-to-accuracy", action="store_true",
+                     help="train --workload with each --tta-algorithms on every layout and --tta-rates instead of the sweep")
+    tta.add_argument("--tta-algorithms", type=comma_list(str, ALGORITHMS.__contains__, f"one of {', '.join(ALGORITHMS)}"),
+                     default=["dense", "hier_dense", "topka", "gtopk", "hitopk"], help="(default: %(default)s)")
+    tta.add_argument("--tta-rates", type=comma_list(str, emucluster.RATE.match, "a tc rate such as 100mbit"),
+                     default=["100mbit", "1gbit"], help="(default: %(default)s)")
+    tta.add_argument("--workload", default=WORKLOAD, help="train.py flags of the workload (default: %(default)s)")
+    tta.add_argument("--traces", metavar="DIR", help="keep each run's trace here (for analyze.py --plot)")
+    tta.add_argument("--tta-repeat", type=positive_int, default=1,
+                     help="runs of every cell, the algorithms interleaved; the table shows the median (default: %(default)s)")
     args = parser.parse_args(argv)
     unknown = set(args.train) - set(ALGORITHMS)
     if unknown:
@@ -88,12 +112,15 @@ def run_bench_comm(spec, args, density: float, algorithms: list, repeat: int) ->
         return json.loads(Path(out).read_text())
 
 
-def time_to_accuracy(spec, algorithm: str, target: float, limit: float) -> dict:
-    """The default training run across the emulated hosts: wall seconds until the
-    held-out accuracy first reaches ``target``, from the run's trace."""
+def time_to_accuracy(spec, algorithm: str, target: float, limit: float, workload: Sequence[str] = (),
+                     keep: Optional[str] = None) -> dict:
+    """A training run (train.py's defaults, or ``workload``'s flags) across the
+    emulated hosts: wall seconds and epochs until the held-out accuracy first
+    reaches ``target``, the final accuracy and the bytes sent between nodes,
+    from the run's trace (kept at ``keep`` when given)."""
     with tempfile.TemporaryDirectory() as folder:
-        trace_path = os.path.join(folder, "train.h5")
-        command = [sys.executable, str(HERE / "train.py"), "--algorithm", algorithm, "--ranks-per-node", "0",
+        trace_path = keep or os.path.join(folder, "train.h5")
+        command = [sys.executable, str(HERE / "train.py"), *workload, "--algorithm", algorithm, "--ranks-per-node", "0",
                    "--trace", trace_path, "--no-progress"]
         result = emucluster.run(spec, command, timeout=limit)
         if result.returncode != 0:
@@ -107,8 +134,62 @@ def time_to_accuracy(spec, algorithm: str, target: float, limit: float) -> dict:
             "epoch_to_target": int(evals["eval/epoch"][reached[0]]) if reached else None,
             "final_metric": float(evals["eval/test_metric"][-1]),
             "total_seconds": float(evals["eval/wall"][-1]),
+            "epochs": float(evals["eval/epoch"][-1]),
+            "bytes_inter": int(evals["bytes/inter"].sum()),
             "summary": result.stdout.strip().splitlines()[-1],
         }
+
+
+def time_to_accuracy_sweep(args: argparse.Namespace, document: dict) -> None:
+    """--time-to-accuracy: the workload with every algorithm, layout and rate;
+    the document is written after every run."""
+    workload = args.workload.split()
+    if args.traces:
+        os.makedirs(args.traces, exist_ok=True)
+    for hosts, ranks in args.layouts:
+        emucluster.down(args.prefix)
+        spec = emucluster.up(emucluster.ClusterSpec(hosts, ranks, args.tta_rates[0], "0us", args.prefix))
+        try:
+            for rate in args.tta_rates:
+                spec = emucluster.reshape(spec, rate, "0us")
+                for repeat, algorithm in itertools.product(range(args.tta_repeat), args.tta_algorithms):
+                    print(f"# time to accuracy: {algorithm} on {hosts}x{ranks} at {rate}, run {repeat + 1}", flush=True)
+                    name = f"{algorithm}-{hosts}x{ranks}-{rate}-{repeat}.h5"
+                    keep = os.path.join(args.traces, name) if args.traces else None
+                    run = time_to_accuracy(spec, algorithm, args.target, args.limit, workload, keep)
+                    document["time_to_accuracy"].append({"layout": f"{hosts}x{ranks}", "rate": rate, "repeat": repeat,
+                                                         "workload": args.workload, "trace": keep, **run})
+                    if args.out:
+                        _write(args.out, document)
+        finally:
+            emucluster.down(args.prefix)
+
+
+def tta_table(runs: list) -> str:
+    """One row per cell (layout, rate, algorithm): median time to the target over
+    its runs (training is bit-deterministic, so only the times vary), epochs to
+    the target, speed-up over dense in the same layout and rate, final accuracy
+    and bytes between nodes."""
+    cells: dict = {}
+    for run in runs:
+        cells.setdefault((run["layout"], run["rate"], run["algorithm"]), []).append(run)
+
+    def median(values: list) -> Optional[float]:
+        return None if not values or None in values else float(statistics.median(values))
+
+    lines = [f"{'layout':>6} {'rate':>8} {'algorithm':<11} {'s to target':>11} {'epochs':>6} {'vs dense':>8} "
+             f"{'final acc':>9} {'total s':>8} {'inter MB':>9} {'runs':>4}"]
+    for (layout, rate, algorithm), group in cells.items():
+        seconds = median([r["seconds_to_target"] for r in group])
+        base = median([r["seconds_to_target"] for r in cells.get((layout, rate, "dense"), [])])
+        speedup = f"{base / seconds:7.2f}x" if seconds and base else f"{'-':>8}"
+        first = group[0]
+        lines.append(f"{layout:>6} {rate:>8} {algorithm:<11} "
+                     f"{f'{seconds:.2f}' if seconds is not None else 'never':>11} "
+                     f"{first['epoch_to_target'] if seconds is not None else '-':>6} {speedup} "
+                     f"{first['final_metric']:9.4f} {median([r['total_seconds'] for r in group]):8.2f} "
+                     f"{first['bytes_inter'] / 1e6:9.1f} {len(group):>4}")
+    return "\n".join(lines)
 
 
 def model_check(records: list) -> list:
@@ -155,6 +236,11 @@ def report(document: dict) -> None:
         if len({r["size"] for r in records}) > 1:
             document["model_check"] = model_check(records)
             print(model_table(document["model_check"]))
+    if document.get("time_to_accuracy"):
+        runs = document["time_to_accuracy"]
+        print(f"time to {runs[0]['target']:.0%} held-out accuracy, {runs[0]['workload']} "
+              f"(inter MB: bytes sent between nodes, all ranks)")
+        print(tta_table(runs))
     for run in document.get("training", []):
         reached = (f"{run['seconds_to_target']:.2f} s (epoch {run['epoch_to_target']})"
                    if run["seconds_to_target"] is not None else "never")
@@ -187,8 +273,12 @@ def main() -> int:
     if reason:
         print(f"bench_cluster.py: error: {reason}", file=sys.stderr)
         return 2
-    records, document = [], {"meta": vars(args).copy(), "records": [], "training": []}
+    records, document = [], {"meta": vars(args).copy(), "records": [], "training": [], "time_to_accuracy": []}
     document["meta"]["layouts"] = [f"{h}x{r}" for h, r in args.layouts]
+    if args.time_to_accuracy:
+        time_to_accuracy_sweep(args, document)
+        report(document)
+        return 0
     dense = [a for a in args.algorithms if a in DENSE]
     sparse = [a for a in args.algorithms if a not in DENSE]
     runs = [(args.densities[0], dense, args.dense_repeat)] if dense else []  # the density does not matter

@@ -38,6 +38,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from ..collectives import ALGORITHMS
 from .config import TrainConfig
 from .distributed import FusedAllreduce, Group
 
@@ -93,7 +94,7 @@ class MomentumCorrection:
     def mask(self, velocity: Any, reduced: Any, xp: Any) -> Any:
         """Clear the velocity where the reduced update is non-zero (what was sent)."""
         if self.masking:
-            velocity[...] = xp.where(reduced != 0, xp.zeros_like(velocity), velocity)
+            velocity *= xp.astype(reduced == 0, velocity.dtype)
         return velocity
 
 
@@ -140,9 +141,10 @@ class ScheduledAllreduce:
 
     def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: DensityWarmup):
         self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
-        self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, schedule.target, selector)
+        known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # auto: not known before it is built
+        self.density = schedule(0) if known_sparse else schedule.target
+        self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector)
         self.algorithm = self.current.reducer.name
-        self.density = schedule.target
 
     def at(self, step: int) -> FusedAllreduce:
         density = self.schedule(step) if self.current.sparse else self.density

@@ -120,13 +120,14 @@ def format_report(summaries: Sequence[Dict[str, Any]]) -> str:
 
 
 def plot(traces: Sequence[Trace], summaries: Sequence[Dict[str, Any]], path: str) -> None:
-    """A stacked bar of mean time per phase for each trace, and the loss curves."""
+    """A stacked bar of mean time per phase for each trace, the loss curves, and
+    the held-out metric against wall time (the paper's time-to-accuracy view)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw=dict(width_ratios=[1, 1.3]))
+    fig, (bars, curves, accuracy) = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw=dict(width_ratios=[1, 1.3, 1.3]))
     names = [f"{label(s)}\n{os.path.basename(s['path'])}" for s in summaries]
     colors = plt.get_cmap("tab10").colors
     bottom = np.zeros(len(summaries))
@@ -148,9 +149,22 @@ def plot(traces: Sequence[Trace], summaries: Sequence[Dict[str, Any]], path: str
     curves.set_title("loss")
     curves.grid(alpha=0.3)
     curves.legend(fontsize=8)
+    time_to_accuracy(accuracy, traces, summaries)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def time_to_accuracy(axes: Any, traces: Sequence[Trace], summaries: Sequence[Dict[str, Any]]) -> None:
+    """Held-out metric at each evaluation against the run's wall time, one curve per trace."""
+    for trace, s in zip(traces, summaries):
+        axes.plot(trace.data["eval/wall"], trace.data["eval/test_metric"], marker=".", label=label(s), linewidth=1)
+    names = {s["test_metric_name"] for s in summaries}
+    axes.set_xlabel("wall time (s)")
+    axes.set_ylabel(f"held-out {names.pop() if len(names) == 1 else 'metric'}")
+    axes.set_title("time to accuracy")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
 
 
 def chrome_events(trace: Trace, steps: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:

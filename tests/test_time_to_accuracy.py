@@ -1,0 +1,67 @@
+"""Time to accuracy without a cluster: the accuracy-against-wall-time panel of
+analyze.py --plot drawn from traces, and bench_cluster.py's table of a
+--time-to-accuracy document (medians over runs, speed-ups over dense, cells
+that miss)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from spar_comm.training.analysis import summarize, time_to_accuracy
+from spar_comm.training.trace import FIELDS, TraceWriter, read_trace
+
+ATTRS = dict(world_size=2, algorithm="hitopk", selector="mstopk", density=0.001, test_metric_name="accuracy",
+             config=json.dumps({"batch_size": 32}))
+
+
+def write_trace(path, algorithm, walls, metrics):
+    writer = TraceWriter(str(path), {**ATTRS, "algorithm": algorithm}, ["a", "b"])
+    writer.append(np.arange(4), np.ones((4, 2, len(FIELDS))))
+    for i, (wall, metric) in enumerate(zip(walls, metrics)):
+        writer.add_eval(step=i + 1, epoch=i + 1, train_loss=1.0, test_metric=metric, wall=wall)
+    writer.close()
+    return read_trace(str(path))
+
+
+def test_the_panel_draws_each_traces_accuracy_against_its_wall_time(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = [write_trace(tmp_path / "d.h5", "dense", [1.0, 2.0, 3.0], [0.5, 0.9, 0.96]),
+              write_trace(tmp_path / "h.h5", "hitopk", [0.4, 0.8], [0.6, 0.95])]
+    summaries = [summarize(t) for t in traces]
+    fig, axes = plt.subplots()
+    time_to_accuracy(axes, traces, summaries)
+    lines = axes.get_lines()
+    assert [line.get_label() for line in lines] == ["dense", "hitopk/mstopk"]
+    assert lines[0].get_xdata().tolist() == [1.0, 2.0, 3.0] and lines[0].get_ydata().tolist() == [0.5, 0.9, 0.96]
+    assert lines[1].get_xdata().tolist() == [0.4, 0.8] and lines[1].get_ydata().tolist() == [0.6, 0.95]
+    assert axes.get_ylabel() == "held-out accuracy" and axes.get_xlabel() == "wall time (s)"
+    plt.close(fig)
+
+
+def run(algorithm, seconds, rate="1gbit", epoch=3):
+    return {"layout": "2x2", "rate": rate, "algorithm": algorithm, "target": 0.95, "workload": "--hidden 1024",
+            "seconds_to_target": seconds, "epoch_to_target": epoch if seconds is not None else None,
+            "final_metric": 0.97, "total_seconds": 20.0, "epochs": 10.0, "bytes_inter": 123_000_000, "trace": None}
+
+
+def test_report_of_a_time_to_accuracy_run_gives_speedups_over_dense_and_keeps_misses(run_driver, tmp_path):
+    document = {"meta": {}, "records": [], "training": [], "time_to_accuracy": [
+        run("dense", 12.0), run("hitopk", 3.0), run("topka", None),
+        run("dense", 40.0, "100mbit"), run("hitopk", 4.0, "100mbit"),
+        run("dense", 44.0, "100mbit"), run("hitopk", 40.0, "100mbit"), run("hitopk", 3.0, "100mbit"),
+    ]}
+    path = tmp_path / "tta.json"
+    path.write_text(json.dumps(document))
+    result = run_driver("bench_cluster.py", "--report", path)
+    assert result.returncode == 0, result.stderr
+    rows = {tuple(line.split()[:3]): line.split() for line in result.stdout.splitlines() if line.startswith("   2x2")}
+    assert rows[("2x2", "1gbit", "hitopk")][3:6] == ["3.00", "3", "4.00x"]
+    assert rows[("2x2", "100mbit", "hitopk")][3:6] == ["4.00", "3", "10.50x"]  # medians of 3 and 2 runs
+    assert rows[("2x2", "100mbit", "hitopk")][-1] == "3"
+    assert rows[("2x2", "1gbit", "topka")][3:6] == ["never", "-", "-"]
+    assert rows[("2x2", "1gbit", "dense")][-2] == "123.0"  # MB between nodes
