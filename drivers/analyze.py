@@ -16,6 +16,7 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
+from spar_comm.files import BadFileError
 from spar_comm.training.analysis import chrome_events, format_report, plot, summarize
 from spar_comm.training.trace import read_trace
 
@@ -75,11 +76,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     missing = [path for path in args.traces if not os.path.exists(path)]
     if missing and not args.follow:
         parser.error(f"no such trace: {', '.join(missing)}")
-    if args.follow:
-        return follow(args.traces[0], args.interval)
     try:
+        if args.follow:
+            return follow(args.traces[0], args.interval)
         traces = [read_trace(path) for path in args.traces]
-    except (OSError, KeyError) as exc:
+    except BadFileError as exc:
         parser.error(f"not a spar_comm trace: {exc}")
     summaries = [summarize(trace, args.steps) for trace in traces]
     if args.json:

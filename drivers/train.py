@@ -27,6 +27,7 @@ from mpi4py import MPI  # noqa: E402
 from spar_comm import ALGORITHMS  # noqa: E402
 from spar_comm.collectives import AUTO  # noqa: E402
 from spar_comm.errors import ConfigError, SparCommError  # noqa: E402
+from spar_comm.files import BadFileError  # noqa: E402
 from spar_comm.topology import ENV_RANKS_PER_NODE  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
 from spar_comm.training.config import DATASETS, DEVICES, MODELS, SCHEDULES  # noqa: E402
@@ -135,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("; ".join(problems))
     try:
         summary = train(config)
-    except ConfigError as exc:  # alike on every rank, raised before any file is written
+    except (ConfigError, BadFileError) as exc:  # alike on every rank, raised before any file is written
         parser.error(str(exc))
     except SparCommError as exc:  # alike on every rank: report once, no abort needed
         if RANK == 0:

@@ -115,7 +115,7 @@ def test_load_reads_bench_topk_and_a_saved_calibration(tmp_path):
 
 @pytest.mark.parametrize("content, words", [
     (None, "cannot read"),
-    ("{not json", "is not JSON"),
+    ("{not json", "not JSON, or cut short"),
     ("[1, 2]", "neither bench_comm.py nor bench_topk.py"),
     ('{"meta": {}, "results": []}', "malformed bench_comm"),
     ('{"machine": {}, "records": [{"method": "argpartition", "n": 1, "median_s": 1}]}', "no records of a known"),

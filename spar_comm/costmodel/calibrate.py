@@ -27,6 +27,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..files import BadFileError, check, read_json
 from ..kernels import SELECTORS
 from .algorithms import STEPS, step_terms
 from .machine import CPU, LINK_TERMS, Cluster, Machine
@@ -36,8 +37,19 @@ TOOL = "spar_comm.costmodel"
 REWEIGHTS = 8
 
 
-class CalibrationError(ValueError):
-    """A calibration input that cannot be used: unreadable, foreign or empty."""
+#: Version of the calibration files ``save`` writes; files without one are of version 1.
+FORMAT = 1
+#: What each kind of input must hold (spar_comm.files.check); other keys are ignored.
+MACHINE = {**{name: float for name in LINK_TERMS}, "select": {str: (float, float)}}
+BENCH_COMM = {
+    "meta": {"num_nodes": int, "ranks_per_node": int, "dtype": str, "density": float, "selector": str},
+    "results": [{"algorithm": str, "size": int, "time_median": float, "t_select": float}],
+}
+BENCH_TOPK = {"machine": dict, "records": [{"method": str, "n": int, "median_s": float}]}
+
+
+class CalibrationError(BadFileError):
+    """A calibration input that cannot be used: unreadable, foreign, malformed or empty."""
 
 
 @dataclass(frozen=True)
@@ -58,46 +70,61 @@ class Measurement:
 
 
 def read(path: str) -> Tuple[str, dict]:
-    """(kind, document) of a calibration input; kind is bench_comm, bench_topk or calibration."""
+    """(kind, document) of a calibration input; kind is bench_comm, bench_topk or
+    calibration. Only the kind is decided here; ``measurements``, ``topk_rates``
+    and ``machine_of`` check the contents."""
     try:
-        with open(path) as stream:
-            document = json.load(stream)
-    except (OSError, UnicodeDecodeError) as error:
-        raise CalibrationError(f"cannot read {path}: {error}") from None
-    except json.JSONDecodeError as error:
-        raise CalibrationError(f"{path} is not JSON: {error}") from None
+        document = read_json(path)
+    except BadFileError as error:
+        raise CalibrationError(path, error.problem) from None
     if isinstance(document, dict):
-        if document.get("tool") == TOOL and isinstance(document.get("machine"), dict):
+        if document.get("tool") == TOOL:
             return "calibration", document
-        if isinstance(document.get("meta"), dict) and isinstance(document.get("results"), list):
+        if "meta" in document and "results" in document:
             return "bench_comm", document
-        if isinstance(document.get("machine"), dict) and isinstance(document.get("records"), list):
+        if "machine" in document and "records" in document:
             return "bench_topk", document
-    raise CalibrationError(
-        f"{path} is neither bench_comm.py nor bench_topk.py output nor a calibration from 'predict.py fit'"
-    )
+    raise CalibrationError(path, "neither bench_comm.py nor bench_topk.py output nor a calibration from 'predict.py fit'")
+
+
+def checked(document: dict, schema: dict, path: str, kind: str) -> dict:
+    """``document`` if it matches ``schema``; else CalibrationError naming the kind and the key."""
+    try:
+        return check(document, schema, path)
+    except BadFileError as error:
+        raise CalibrationError(path, f"malformed {kind} ({error.problem})") from None
+
+
+def machine_of(document: dict, path: str) -> Machine:
+    """The figures of a calibration written by ``save``."""
+    version = document.get("format", 1)
+    if version != FORMAT:
+        raise CalibrationError(path, f"calibration format {version!r}; this version of spar_comm reads format {FORMAT}")
+    figures = checked(document, {"machine": MACHINE}, path, "calibration")["machine"]
+    try:
+        return Machine.from_dict(figures)
+    except ValueError as error:  # the Machine's own checks, e.g. a negative cost
+        raise CalibrationError(path, f"malformed calibration ({error})") from None
 
 
 def measurements(document: dict, path: str = "bench_comm JSON") -> List[Measurement]:
     """The rows of a bench_comm document, checked."""
-    try:
-        meta = document["meta"]
-        nodes, per_node = int(meta["num_nodes"]), int(meta["ranks_per_node"])
-        if len(set(meta.get("node_sizes", [per_node]))) != 1:
-            raise CalibrationError(f"{path}: nodes of unequal size cannot be fitted")
-        cluster = Cluster(nodes, per_node)
-        rows = [
-            Measurement(cluster, str(r["algorithm"]), int(r["size"]), str(meta["dtype"]), float(meta["density"]),
-                        str(meta["selector"]), float(r["time_median"]), float(r["t_select"]))
-            for r in document["results"]
-        ]
-    except (KeyError, TypeError, ValueError) as error:
-        if isinstance(error, CalibrationError):
-            raise
-        raise CalibrationError(f"{path}: malformed bench_comm JSON ({type(error).__name__}: {error})") from None
-    for row in rows:
-        if row.algorithm not in STEPS or row.selector not in SELECTORS or row.size < 1 or not row.seconds > 0:
-            raise CalibrationError(f"{path}: a row the model does not know: {row}")
+    checked(document, BENCH_COMM, path, "bench_comm JSON")
+    meta = document["meta"]
+    nodes, per_node = meta["num_nodes"], meta["ranks_per_node"]
+    if nodes < 1 or per_node < 1:
+        raise CalibrationError(path, f"meta: {nodes} nodes of {per_node} ranks")
+    if len(set(meta.get("node_sizes", [per_node]))) != 1:
+        raise CalibrationError(path, "nodes of unequal size cannot be fitted")
+    rows = [
+        Measurement(Cluster(nodes, per_node), r["algorithm"], r["size"], meta["dtype"], float(meta["density"]),
+                    meta["selector"], float(r["time_median"]), float(r["t_select"]))
+        for r in document["results"]
+    ]
+    for i, row in enumerate(rows):
+        if (row.algorithm not in STEPS or row.selector not in SELECTORS or row.size < 1 or not row.seconds > 0
+                or row.dtype not in ("float32", "float64") or not 0 < row.density <= 1):
+            raise CalibrationError(path, f"results[{i}] is a row the model does not know: {row}")
     return rows
 
 
@@ -116,14 +143,11 @@ def selection_line(samples: Sequence[Tuple[float, float]]) -> Tuple[float, float
 def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, Tuple[float, float]]:
     """Selection figures of every selector in a bench_topk document."""
     samples: Dict[str, List[Tuple[float, float]]] = {}
-    try:
-        for record in document["records"]:
-            if record["method"] in SELECTORS:
-                samples.setdefault(record["method"], []).append((int(record["n"]), float(record["median_s"])))
-    except (KeyError, TypeError, ValueError) as error:
-        raise CalibrationError(f"{path}: malformed bench_topk JSON ({type(error).__name__}: {error})") from None
+    for record in checked(document, BENCH_TOPK, path, "bench_topk JSON")["records"]:
+        if record["method"] in SELECTORS and record["n"] >= 1:
+            samples.setdefault(record["method"], []).append((record["n"], float(record["median_s"])))
     if not samples:
-        raise CalibrationError(f"{path}: no records of a known selector")
+        raise CalibrationError(path, "no records of a known selector")
     return {method: selection_line(points) for method, points in samples.items()}
 
 
@@ -160,7 +184,7 @@ def fit(rows: Sequence[Measurement], base: Machine = CPU,
     the in-context rates of ``rows`` take precedence over them.
     """
     if not rows:
-        raise CalibrationError("no measurements to fit")
+        raise ValueError("no measurements to fit")
     select = {**base.select, **(rates or {}), **in_context_rates(rows)}
     machine = base.replace(select=select)
     rows = pooled(rows)
@@ -209,10 +233,7 @@ def load(paths: Sequence[str], base: Machine = CPU) -> Machine:
     for path in paths:
         kind, document = read(path)
         if kind == "calibration":
-            try:
-                machine = Machine.from_dict(document["machine"])
-            except (KeyError, TypeError, ValueError) as error:
-                raise CalibrationError(f"{path}: malformed calibration ({type(error).__name__}: {error})") from None
+            machine = machine_of(document, path)
         elif kind == "bench_topk":
             rates.update(topk_rates(document, path))
         else:
@@ -227,6 +248,7 @@ def save(path: str, machine: Machine, sources: Sequence[str], rows: Sequence[Mea
     errors = [error for _, _, error in relative_errors(machine, rows)]
     document = {
         "tool": TOOL,
+        "format": FORMAT,
         "machine": machine.to_dict(),
         "fitted_on": list(sources),
         "rows": len(rows),

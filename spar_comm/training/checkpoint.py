@@ -3,14 +3,15 @@ same bits: parameters, optimizer state, the residual of every rank, the data
 order and the step.
 
 Rank 0 writes a temporary file and renames it over the old one, so a crash
-while saving never loses the previous checkpoint. Every rank reads its own
-residual back.
+while saving never loses the previous checkpoint. On resume every rank checks
+the whole file before restoring anything, and reads its own residual back.
 """
 from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
 
 import array_api_compat
 import h5py
@@ -18,6 +19,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ConfigError
+from ..files import BadFileError, agree, attribute, dataset, open_hdf5
 from .config import TrainConfig
 from .data import Shards
 from .distributed import FusedAllreduce, Group, to_host
@@ -65,30 +67,79 @@ def save_checkpoint(
     group.comm.Barrier()  # nobody leaves before the checkpoint is complete
 
 
+@dataclass
+class Saved:
+    """What a rank needs from a checkpoint, read and checked before anything is restored."""
+
+    config: TrainConfig
+    step: int
+    world_size: int
+    params: np.ndarray
+    velocity: np.ndarray
+    residual_span: Tuple[int, int]
+    residual: Optional[np.ndarray]  # None on a rank the saving run did not have
+    local_velocity: Optional[np.ndarray]  # the convergence aids' velocity, where the run had one
+
+
+def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
+    """Read what ``rank`` restores, checking the whole file (every rank's
+    residual included, so every rank reaches the same verdict); a bad file
+    raises BadFileError."""
+    with open_hdf5(path) as f:
+        version = attribute(f, "format", int)
+        if version != FORMAT:
+            raise BadFileError(path, f"checkpoint format {version}; this version of spar_comm reads format {FORMAT}")
+        try:
+            config = TrainConfig.from_json(attribute(f, "config", str))
+        except (ValueError, TypeError) as error:
+            raise BadFileError(path, f"attribute 'config' is not a training configuration ({error})") from None
+        step, world = attribute(f, "step", int), attribute(f, "world_size", int)
+        if step < 0 or world < 1:
+            raise BadFileError(path, f"step {step} and world_size {world} must be >= 0 and >= 1")
+        flats = [
+            np.concatenate([dataset(f, f"{group}/{name}", "f", layout.shapes[name])[...].reshape(-1)
+                            for name in layout.names])
+            for group in ("params", "optimizer/velocity")
+        ]
+        spans = {}
+        for r in range(world):
+            ds = dataset(f, f"residuals/rank{r}", "f", (None,))
+            lo, hi = attribute(ds, "lo", int), attribute(ds, "hi", int)
+            if hi - lo != ds.shape[0]:
+                raise BadFileError(path, f"residuals/rank{r} holds {ds.shape[0]} values for the range [{lo}, {hi})")
+            spans[r] = (lo, hi)
+        residual = f[f"residuals/rank{rank}"][...] if rank < world else None
+        local = None
+        if rank < world and f"aids/velocity/rank{rank}" in f:
+            local = dataset(f, f"aids/velocity/rank{rank}", "f", (layout.size,))[...]
+        return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local)
+
+
 def load_checkpoint(
     path: str, group: Group, config: TrainConfig, layout: ParamLayout,
     params: Any, velocity: Any, reducer: FusedAllreduce, xp: Any, local_velocity: Any = None,
 ) -> int:
     """Restore the state in place; return the step to continue from.
 
-    Every rank reads the same file, so a refusal (ConfigError) is alike on all.
+    Collective. Every rank reads and checks the file before anything is
+    restored; a bad file (BadFileError) or a checkpoint of other settings
+    (ConfigError) is refused alike on every rank, and nothing is changed.
+    ``local_velocity`` receives the convergence aids' velocity (momentum
+    correction), which the checkpoint must then hold.
     """
-    with h5py.File(path, "r") as f:
-        saved = TrainConfig.from_json(f.attrs["config"])
-        changed = config.differences(saved)
-        if changed:
-            detail = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items()))
-            raise ConfigError(f"cannot resume {path}: settings differ from the checkpoint's ({detail})")
-        if int(f.attrs["world_size"]) != group.size:
-            raise ConfigError(f"cannot resume {path}: saved by {f.attrs['world_size']} ranks, now {group.size}")
-        for group_name, flat in (("params", params), ("optimizer/velocity", velocity)):
-            host = np.concatenate([f[f"{group_name}/{name}"][...].reshape(-1) for name in layout.names])
-            flat[...] = xp.asarray(host, dtype=flat.dtype, device=array_api_compat.device(flat))
-        ds = f[f"residuals/rank{group.rank}"]
-        reducer.load_residual((int(ds.attrs["lo"]), int(ds.attrs["hi"])), ds[...])
-        if local_velocity is not None:
-            if f"aids/velocity/rank{group.rank}" not in f:  # the same file on every rank: refused alike
-                raise ConfigError(f"cannot resume {path}: it holds no local velocity for momentum correction")
-            local_velocity[...] = xp.asarray(f[f"aids/velocity/rank{group.rank}"][...], dtype=local_velocity.dtype,
-                                             device=array_api_compat.device(local_velocity))
-        return int(f.attrs["step"])
+    saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
+    changed = config.differences(saved.config)
+    if changed:
+        detail = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items()))
+        raise ConfigError(f"cannot resume {path}: settings differ from the checkpoint's ({detail})")
+    if saved.world_size != group.size:
+        raise ConfigError(f"cannot resume {path}: saved by {saved.world_size} ranks, now {group.size}")
+    restored = [(params, saved.params), (velocity, saved.velocity)]
+    if local_velocity is not None:
+        if saved.local_velocity is None:
+            raise ConfigError(f"cannot resume {path}: it holds no local velocity for momentum correction")
+        restored.append((local_velocity, saved.local_velocity))
+    for flat, host in restored:
+        flat[...] = xp.asarray(host, dtype=flat.dtype, device=array_api_compat.device(flat))
+    reducer.load_residual(saved.residual_span, saved.residual)
+    return saved.step

@@ -7,6 +7,7 @@ read it while the run goes on, and every flushed step survives a crash.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -14,6 +15,8 @@ from typing import Any, Dict, Optional
 import h5py
 import numpy as np
 from mpi4py import MPI
+
+from ..files import BadFileError, attribute, dataset, open_hdf5
 
 PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "step")
 BYTES = ("intra", "inter")
@@ -77,6 +80,8 @@ class TraceWriter:
         world = len(hosts)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if resume_step is not None and os.path.exists(path):
+            with open_hdf5(path, live=True) as existing:  # refuse a bad trace before touching it
+                check_trace(existing, world)
             try:
                 self.file = h5py.File(path, "a", libver="latest")
             except OSError:  # its writer died: the file stays marked open, so copy what a reader sees
@@ -181,9 +186,37 @@ class Trace:
         return len(self.data["step"])
 
 
+def check_trace(f: h5py.File, world: Optional[int] = None) -> None:
+    """Raise BadFileError unless ``f`` holds what a reader of a trace uses
+    (the root attributes, and every dataset of DESIGN §6 with the dtype and
+    shape it should have), written by ``world`` ranks where given."""
+    saved = attribute(f, "world_size", int)
+    if world is not None and saved != world:
+        raise BadFileError(f.filename, f"a trace of {saved} ranks; this run has {world}")
+    for name in ("algorithm", "selector"):
+        attribute(f, name, str)
+    attribute(f, "density", float)
+    try:
+        if not isinstance(json.loads(attribute(f, "config", str)), dict):
+            raise ValueError("not an object")
+    except ValueError as error:
+        raise BadFileError(f.filename, f"attribute 'config' is not a JSON object ({error})") from None
+    dataset(f, "hosts", "OSU", (saved,))
+    for name in [f"phases/{p}" for p in PHASES] + ["threshold"]:
+        dataset(f, name, "f", (None, saved))
+    for name in [f"bytes/{b}" for b in BYTES] + ["k"]:
+        dataset(f, name, "iu", (None, saved))
+    for name in ("step", "eval/step"):
+        dataset(f, name, "iu", (None,))
+    for name in ["loss", "lr"] + [f"eval/{e}" for e in EVAL if e != "step"]:
+        dataset(f, name, "f", (None,))
+
+
 def read_trace(path: str) -> Trace:
-    """Read a trace, also one that a running job is still writing (SWMR)."""
-    with h5py.File(path, "r", libver="latest", swmr=True) as f:
+    """Read a trace, also one that a running job is still writing (SWMR).
+    A file that is not a trace raises BadFileError naming it and the problem."""
+    with open_hdf5(path, live=True) as f:
+        check_trace(f)
         datasets = _datasets(f)
         # Per-step datasets grow one after another: cut all to the shortest.
         rows = min(len(ds) for name, ds in datasets.items() if not name.startswith("eval/"))
