@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Soak: many steps with every algorithm in turn, then many builds and frees,
+watching each rank for leaks.
+
+A long training job calls one allreducer hundreds of thousands of times, and a
+framework adapter may build and free one per bucket size. Either leaks slowly
+if a call or a build keeps anything: memory, a file descriptor, a window of
+shared memory. Each rank records its resident memory (VmRSS of
+/proc/self/status), its open file descriptors (/proc/self/fd) and the
+shared-memory segments it has mapped (/dev/shm files in /proc/self/maps) at
+the start (after one warm-up call of each allreducer, so that first-call
+allocations do not count), after --steps steps (step i calls algorithm
+i mod 6), and after one allreducer of each kind has been built, called once
+and freed --rebuilds times. The growth against the start, worst rank, must stay
+under --bound; otherwise the exit status is 1. The JSON lists every rank's
+segments, so a caller can check that none is left in /dev/shm after the exit.
+
+    mpiexec -n 4 python drivers/soak.py --ranks-per-node 2 --steps 10000 --rebuilds 100 --out soak.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from typing import Dict, List
+
+import numpy as np
+from mpi4py import MPI
+
+from spar_comm import ALGORITHMS, Topology, make_allreducer
+from spar_comm.cli import comma_list, density, positive_float, positive_int
+from spar_comm.consensus import raise_if_any
+from spar_comm.launch import run_main
+
+#: What a snapshot holds, and how each figure is measured.
+FIGURES = ("rss_kib", "fds", "shm_segments")
+SHM = re.compile(r"\s(/dev/shm/\S+)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="soak.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=positive_int, default=10000, help="allreduce calls, algorithms in turn (default: %(default)s)")
+    parser.add_argument("--rebuilds", type=positive_int, default=100,
+                        help="builds and frees of each algorithm's allreducer (default: %(default)s)")
+    parser.add_argument("--size", type=positive_int, default=1 << 16, help="gradient elements (default: %(default)s)")
+    parser.add_argument("--density", type=density, default=0.01, help="(default: %(default)s)")
+    parser.add_argument("--selector", default="mstopk", help="(default: %(default)s)")
+    parser.add_argument("--algorithms", type=comma_list(str, ALGORITHMS.__contains__, f"one of {', '.join(ALGORITHMS)}"),
+                        default=list(ALGORITHMS), help="(default: all)")
+    parser.add_argument("--ranks-per-node", type=positive_int, help="emulated node size (default: real nodes)")
+    parser.add_argument("--bound", type=positive_float, default=0.05,
+                        help="largest growth allowed against the start, as a fraction (default: %(default)s)")
+    parser.add_argument("--out", help="JSON results")
+    return parser.parse_args(argv)
+
+
+def snapshot() -> dict:
+    """This rank's resident memory, open file descriptors and mapped /dev/shm segments."""
+    with open("/proc/self/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    with open("/proc/self/maps") as maps:
+        segments = sorted({match.group(1) for match in map(SHM.search, maps) if match})
+    return {"rss_kib": rss, "fds": len(os.listdir("/proc/self/fd")), "shm_segments": len(segments), "segments": segments}
+
+
+def growth(start: dict, later: dict) -> Dict[str, float]:
+    """Relative growth of each figure from ``start`` to ``later`` (0 where both are 0)."""
+    return {name: (later[name] - start[name]) / start[name] if start[name] else (np.inf if later[name] else 0.0)
+            for name in FIGURES}
+
+
+def worst(snapshots: Dict[str, List[dict]], phase: str) -> Dict[str, float]:
+    """The largest growth over ranks of each figure, from the start to ``phase``."""
+    per_rank = [growth(start, later) for start, later in zip(snapshots["start"], snapshots[phase])]
+    return {name: max(g[name] for g in per_rank) for name in FIGURES}
+
+
+def main() -> int:
+    args = parse_args()
+    topology = Topology(ranks_per_node=args.ranks_per_node)
+    world = topology.world
+    lead = world.rank == 0
+    raise_if_any(world, f"cannot write --out {args.out}" if lead and args.out and not os.access(
+        os.path.dirname(os.path.abspath(args.out)), os.W_OK) else None)
+    rng = np.random.default_rng(world.rank)
+    grads = [rng.standard_normal(args.size).astype(np.float32) for _ in range(4)]
+    out = np.empty(args.size, np.float32)
+
+    def build(algorithm: str):
+        return make_allreducer(algorithm, topology, args.size, "float32", args.density, args.selector, shared_buffer=True)
+
+    snapshots: Dict[str, List[dict]] = {}
+    seconds: Dict[str, float] = {}
+
+    def record(phase: str, began: float) -> None:
+        seconds[phase] = time.perf_counter() - began
+        snapshots[phase] = world.allgather(snapshot())
+        if lead:
+            rss = max(s["rss_kib"] for s in snapshots[phase])
+            print(f"# {phase}: {seconds[phase]:.1f} s; largest RSS {rss / 1024:.1f} MiB", flush=True)
+
+    began = time.perf_counter()
+    reducers = [build(algorithm) for algorithm in args.algorithms]
+    for reducer in reducers:  # first calls compile and allocate: not a leak
+        reducer.allreduce(grads[0], out=out)
+    record("start", began)
+
+    began = time.perf_counter()
+    for step in range(args.steps):
+        reducers[step % len(reducers)].allreduce(grads[step % len(grads)], out=out)
+    record("steps", began)
+    for reducer in reducers:
+        reducer.free()
+    del reducers
+
+    began = time.perf_counter()
+    for algorithm in args.algorithms:
+        for _ in range(args.rebuilds):
+            reducer = build(algorithm)
+            reducer.allreduce(grads[0], out=out)
+            reducer.free()
+    del reducer
+    record("rebuilt", began)
+
+    verdicts = {phase: worst(snapshots, phase) for phase in ("steps", "rebuilt")}
+    passed = all(value < args.bound for figures in verdicts.values() for value in figures.values())
+    if lead:
+        print(f"{'phase':<8} " + " ".join(f"{name:>14}" for name in FIGURES) + "   (worst rank: value at start -> now, growth)")
+        for phase, figures in verdicts.items():
+            cells = []
+            for name in FIGURES:
+                rank = max(range(world.size), key=lambda r: growth(snapshots["start"][r], snapshots[phase][r])[name])
+                cells.append(f"{snapshots['start'][rank][name]}->{snapshots[phase][rank][name]} {figures[name]:+.1%}")
+            print(f"{phase:<8} " + "  ".join(cells))
+        print(f"{'passed' if passed else 'FAILED'}: growth bound {args.bound:.0%}, {args.steps} steps over "
+              f"{', '.join(args.algorithms)}, {args.rebuilds} builds of each; {topology.describe().split(';')[0]}")
+        if args.out:
+            document = {"meta": {**vars(args), "world_size": world.size, "topology": topology.describe(),
+                                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip()},
+                        "seconds": seconds, "snapshots": snapshots, "growth": verdicts, "passed": passed}
+            with open(args.out, "w") as stream:
+                json.dump(document, stream, indent=1)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    run_main(main, "soak.py")
