@@ -51,5 +51,12 @@ test-serial: $(STAMP) $(FW_STAMP)
 test-mpi: $(STAMP) $(FW_STAMP)
 	$(PY) tests/run_mpi.py --mpiexec $(MPIEXEC)
 
+# The reference checks at 8, 12 and 16 ranks (8x2, 16x1, 4x4, uneven nodes of
+# 5), on one host with emulated nodes and, as root, on emulated hosts. Not part
+# of `make test`: 16 ranks on a small machine take a while.
+.PHONY: test-scale
+test-scale: $(STAMP) $(FW_STAMP)
+	$(PY) tests/run_scale.py --mpiexec $(MPIEXEC)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

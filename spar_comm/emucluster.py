@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,15 @@ RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
 DELAY = re.compile(r"^\d+(\.\d+)?(s|ms|us)$")
 # MPICH: TCP between hosts over the shaped links, shared memory inside a host.
 MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE}
+#: Host addresses are .10 to .253 of the prefix's /24 subnet.
+MAX_HOSTS = 244
+#: Memory one rank may need: drivers/soak.py holding all six allreducers at
+#: 2^22 floats, 16 hosts x 2, peaked at 432 MiB resident (the interpreter with
+#: NumPy, Numba, h5py and mpi4py is ~180 MiB; the rest is buffers and the
+#: node's shared-memory window, which /dev/shm takes from RAM too).
+MEMORY_PER_RANK = 448 * 2**20
+#: File descriptors a rank holds besides one TCP socket per peer (soak.py: 28).
+FDS_PER_RANK = 64
 
 
 class EmuClusterError(RuntimeError):
@@ -54,8 +64,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         problems = []
-        if not 1 <= self.hosts <= 200:
-            problems.append(f"hosts must be in 1..200, got {self.hosts}")
+        if not 1 <= self.hosts <= MAX_HOSTS:
+            problems.append(f"hosts must be in 1..{MAX_HOSTS} (each takes an address .10 to .253 of one /24 "
+                            f"subnet on the bridge), got {self.hosts}")
         if self.ranks_per_host < 1:
             problems.append(f"ranks per host must be >= 1, got {self.ranks_per_host}")
         if not RATE.match(self.rate):
@@ -104,6 +115,28 @@ def check_privileges() -> None:
     missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
     if missing:
         raise EmuClusterError(f"missing tools: {', '.join(missing)} (Debian: apt-get install iproute2 util-linux)")
+
+
+def capacity_problem(spec: ClusterSpec) -> Optional[str]:
+    """Why this machine cannot run ``spec``'s ranks at once, or None.
+
+    Memory binds first: every rank is a whole Python process with its own
+    buffers (MEMORY_PER_RANK). Open files come next: the launcher and every
+    rank hold a TCP socket to each peer besides their own files. The bridge
+    takes up to 1024 ports, more than the addresses a prefix has.
+    """
+    ranks = spec.hosts * spec.ranks_per_host
+    with open("/proc/meminfo") as meminfo:
+        available_bytes = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    if ranks * MEMORY_PER_RANK > available_bytes:
+        return (f"{ranks} ranks need about {ranks * MEMORY_PER_RANK / 2**30:.1f} GiB of memory "
+                f"({MEMORY_PER_RANK >> 20} MiB a rank) and this machine has {available_bytes / 2**30:.1f} GiB available: "
+                f"at most {available_bytes // MEMORY_PER_RANK} ranks; use fewer hosts or ranks per host")
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if ranks + FDS_PER_RANK > open_files:
+        return (f"{ranks} ranks each hold a socket to every peer plus ~{FDS_PER_RANK} files, more than the "
+                f"open-file limit of {open_files} (ulimit -n): raise it or use fewer ranks")
+    return None
 
 
 def available() -> Optional[str]:
@@ -182,6 +215,9 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && exec $*"
 def up(spec: ClusterSpec) -> ClusterSpec:
     """Build the cluster; on any failure (or Ctrl-C) remove whatever was made."""
     check_privileges()
+    problem = capacity_problem(spec)
+    if problem:
+        raise EmuClusterError(f"cannot host {spec.hosts} x {spec.ranks_per_host} ranks here: {problem}")
     if existing(spec.prefix):
         raise EmuClusterError(f"an emulated cluster with prefix {spec.prefix!r} is up already: run `down` first")
     if f" {spec.subnet}.1/" in _run("ip", "-o", "addr", "show", check=False).stdout:
