@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""What the optax transformation costs on top of the allreducer it calls.
+
+For each size, a one-leaf float32 gradient goes through the jitted
+``spar_comm.jax.sparse_allreduce`` update, and the same gradient as a NumPy
+array straight through an allreducer of the same algorithm. The two
+alternate call by call, so a slow spell of the machine hits both alike. Each
+call counts the slowest rank; figures are medians after warm-up.
+
+    overhead = jax update / allreducer alone
+
+The difference is the host callback: moving the vector to the host and back,
+loading and returning the residual, JAX's dispatch. JSON out.
+
+    mpiexec -n 4 python drivers/bench_jax.py --ranks-per-node 2 --sizes 65536,1048576 --out jax.json
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")  # the ranks fill the cores already
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import spar_comm  # noqa: E402
+from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
+from spar_comm.cli import comma_list, density, positive_int  # noqa: E402
+from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.jax import sparse_allreduce  # noqa: E402
+from spar_comm.launch import run_main  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_jax.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=comma_list(int, lambda n: n >= 1, "an integer >= 1"), default=[65536, 1048576],
+                        help="gradient sizes in elements, comma-separated (default: 2^16,2^20)")
+    parser.add_argument("--algorithms", type=comma_list(str, ALGORITHMS.__contains__, f"one of {', '.join(ALGORITHMS)}"),
+                        default=["dense", "hitopk"], help="comma-separated (default: dense,hitopk)")
+    parser.add_argument("--density", type=density, default=0.01, help="fraction selected (default: %(default)s)")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=None,
+                        help="emulate nodes of this many consecutive ranks (default: real nodes)")
+    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed calls first (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=20, help="timed calls (default: %(default)s)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def measure(algorithm: str, size: int, density: float, topology: Topology, warmup: int, repeat: int) -> dict:
+    """Median of the slowest rank's time per call: the jitted update and the allreducer alone, alternating."""
+    world = topology.world
+    grad = np.random.default_rng([size, world.rank]).standard_normal(size).astype(np.float32)
+    tx = sparse_allreduce(algorithm, density, topology=topology)
+    state = tx.init({"g": jnp.zeros(size, jnp.float32)})
+    update = jax.jit(tx.update)
+    tree = {"g": jnp.asarray(grad)}
+    reducer = make_allreducer(algorithm, topology, size, "float32", density)
+    out = np.empty_like(grad)
+
+    def via_jax():
+        nonlocal state
+        mean, state = update(tree, state)
+        jax.block_until_ready(mean)
+
+    calls = (via_jax, lambda: reducer.allreduce(grad, out=out))
+    times = np.zeros((repeat, len(calls)))
+    for i in range(warmup + repeat):
+        for j, call in enumerate(calls):
+            world.Barrier()
+            start = MPI.Wtime()
+            call()
+            if i >= warmup:
+                times[i - warmup, j] = MPI.Wtime() - start
+    slowest = np.empty_like(times)
+    world.Allreduce(times, slowest, op=MPI.MAX)
+    reducer.free()
+    jax_s, alone_s = np.median(slowest, axis=0)
+    return {"algorithm": algorithm, "size": size, "jax_update_s": float(jax_s), "allreducer_s": float(alone_s),
+            "overhead": float(jax_s / alone_s)}
+
+
+def main() -> None:
+    args = parse_args()
+    topology = Topology(ranks_per_node=args.ranks_per_node)
+    world = topology.world
+    lead = world.rank == 0
+    unwritable = lead and args.out and not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK)
+    raise_if_any(world, f"cannot write --out {args.out}" if unwritable else None)
+    rows = []
+    if lead:
+        print(f"# {topology.describe()}; density {args.density}; median of {args.repeat} after {args.warmup}, slowest rank")
+        print(f"{'size':>10} {'algorithm':<14} {'jax ms':>9} {'alone ms':>9} {'overhead':>8}", flush=True)
+    for size in args.sizes:
+        for algorithm in args.algorithms:
+            row = measure(algorithm, size, args.density, topology, args.warmup, args.repeat)
+            rows.append(row)
+            if lead:
+                print(f"{size:>10} {algorithm:<14} {row['jax_update_s'] * 1e3:9.3f} {row['allreducer_s'] * 1e3:9.3f} "
+                      f"{row['overhead']:7.2f}x", flush=True)
+    if lead and args.out:
+        meta = {"tool": "bench_jax", "spar_comm_version": spar_comm.__version__, "jax_version": jax.__version__,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "world_size": world.size, "num_nodes": topology.num_nodes, "density": args.density,
+                "warmup": args.warmup, "repeat": args.repeat}
+        with open(args.out, "w") as stream:
+            json.dump({"meta": meta, "results": rows}, stream, indent=1)
+
+
+if __name__ == "__main__":
+    run_main(main, "bench_jax.py")
