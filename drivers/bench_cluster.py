@@ -32,10 +32,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
 from spar_comm import ALGORITHMS, costmodel, emucluster
 from spar_comm.cli import comma_list, positive_int
-from spar_comm.files import BadFileError, Nullable, check, read_json
-from spar_comm.kernels import SELECTORS
 from spar_comm.training.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
@@ -43,12 +43,6 @@ HERE = Path(__file__).resolve().parent
 #: 1024 (1,126,410 parameters), 10 epochs, density 0.001 for the sparse ones.
 WORKLOAD = "--hidden 1024 --epochs 10 --density 0.001"
 DENSE = ("dense", "hier_dense")
-#: What --report reads of an --out file (spar_comm.files.check); "training" may be absent.
-SWEEP = {"records": [{"layout": str, "hosts": int, "ranks_per_host": int, "rate": str, "rate_bps": float,
-                      "density": float, "selector": str, "algorithm": str, "size": int, "time_median": float,
-                      "t_select": float}]}
-TRAINING = [{"algorithm": str, "layout": str, "rate": str, "target": float, "seconds_to_target": Nullable(float),
-             "epoch_to_target": Nullable(int), "final_metric": float, "total_seconds": float}]
 
 
 def layouts(text: str) -> list:
@@ -133,19 +127,27 @@ def time_to_accuracy(spec, algorithm: str, target: float, limit: float, workload
         result = emucluster.run(spec, command, timeout=limit)
         if result.returncode != 0:
             raise RuntimeError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-        evals = read_trace(trace_path).data
-        reached = [i for i, metric in enumerate(evals["eval/test_metric"]) if metric >= target]
-        return {
-            "algorithm": algorithm,
-            "target": target,
-            "seconds_to_target": float(evals["eval/wall"][reached[0]]) if reached else None,
-            "epoch_to_target": int(evals["eval/epoch"][reached[0]]) if reached else None,
-            "final_metric": float(evals["eval/test_metric"][-1]),
-            "total_seconds": float(evals["eval/wall"][-1]),
-            "epochs": float(evals["eval/epoch"][-1]),
-            "bytes_inter": int(evals["bytes/inter"].sum()),
-            "summary": result.stdout.strip().splitlines()[-1],
-        }
+        return {"algorithm": algorithm, **trace_figures(read_trace(trace_path).data, target),
+                "summary": result.stdout.strip().splitlines()[-1]}
+
+
+def trace_figures(evals: dict, target: float) -> dict:
+    """Time to ``target`` from a run's trace: as measured (``seconds_to_target``)
+    and as steps to the target times the median step (slowest rank), which a
+    spell of load from other work on the machine hardly moves."""
+    reached = [i for i, metric in enumerate(evals["eval/test_metric"]) if metric >= target]
+    median_step = float(np.median(evals["phases/step"].max(axis=1)))
+    return {
+        "target": target,
+        "seconds_to_target": float(evals["eval/wall"][reached[0]]) if reached else None,
+        "epoch_to_target": int(evals["eval/epoch"][reached[0]]) if reached else None,
+        "steps_to_target": int(evals["eval/step"][reached[0]]) if reached else None,
+        "median_step_seconds": median_step,
+        "final_metric": float(evals["eval/test_metric"][-1]),
+        "total_seconds": float(evals["eval/wall"][-1]),
+        "epochs": float(evals["eval/epoch"][-1]),
+        "bytes_inter": int(evals["bytes/inter"].sum()),
+    }
 
 
 def time_to_accuracy_sweep(args: argparse.Namespace, document: dict) -> None:
@@ -175,9 +177,10 @@ def time_to_accuracy_sweep(args: argparse.Namespace, document: dict) -> None:
 
 def tta_table(runs: list) -> str:
     """One row per cell (layout, rate, algorithm): median time to the target over
-    its runs (training is bit-deterministic, so only the times vary), epochs to
-    the target, speed-up over dense in the same layout and rate, final accuracy
-    and bytes between nodes."""
+    its runs (training is bit-deterministic, so only the times vary), measured
+    and estimated from the median step (``trace_figures``), each with its
+    speed-up over dense in the same layout and rate; epochs to the target,
+    final accuracy and bytes between nodes."""
     cells: dict = {}
     for run in runs:
         cells.setdefault((run["layout"], run["rate"], run["algorithm"]), []).append(run)
@@ -185,16 +188,24 @@ def tta_table(runs: list) -> str:
     def median(values: list) -> Optional[float]:
         return None if not values or None in values else float(statistics.median(values))
 
-    lines = [f"{'layout':>6} {'rate':>8} {'algorithm':<11} {'s to target':>11} {'epochs':>6} {'vs dense':>8} "
-             f"{'final acc':>9} {'total s':>8} {'inter MB':>9} {'runs':>4}"]
+    def estimate(run: dict) -> Optional[float]:
+        steps = run["steps_to_target"]
+        return None if steps is None else steps * run["median_step_seconds"]
+
+    def speedup(seconds: Optional[float], base: Optional[float]) -> str:
+        return f"{base / seconds:7.2f}x" if seconds and base else f"{'-':>8}"
+
+    lines = [f"{'layout':>6} {'rate':>8} {'algorithm':<11} {'s to target':>11} {'vs dense':>8} {'est. s':>7} "
+             f"{'vs dense':>8} {'epochs':>6} {'final acc':>9} {'total s':>8} {'inter MB':>9} {'runs':>4}"]
     for (layout, rate, algorithm), group in cells.items():
-        seconds = median([r["seconds_to_target"] for r in group])
-        base = median([r["seconds_to_target"] for r in cells.get((layout, rate, "dense"), [])])
-        speedup = f"{base / seconds:7.2f}x" if seconds and base else f"{'-':>8}"
+        dense = cells.get((layout, rate, "dense"), [])
+        seconds, base = (median([r["seconds_to_target"] for r in runs]) for runs in (group, dense))
+        estimated, base_estimate = (median([estimate(r) for r in runs]) for runs in (group, dense))
         first = group[0]
         lines.append(f"{layout:>6} {rate:>8} {algorithm:<11} "
-                     f"{f'{seconds:.2f}' if seconds is not None else 'never':>11} "
-                     f"{first['epoch_to_target'] if seconds is not None else '-':>6} {speedup} "
+                     f"{f'{seconds:.2f}' if seconds is not None else 'never':>11} {speedup(seconds, base)} "
+                     f"{f'{estimated:.2f}' if estimated is not None else 'never':>7} {speedup(estimated, base_estimate)} "
+                     f"{first['epoch_to_target'] if seconds is not None else '-':>6} "
                      f"{first['final_metric']:9.4f} {median([r['total_seconds'] for r in group]):8.2f} "
                      f"{first['bytes_inter'] / 1e6:9.1f} {len(group):>4}")
     return "\n".join(lines)
@@ -233,18 +244,6 @@ def model_table(checked: list) -> str:
     if errors:
         lines.append(f"median error {errors[len(errors) // 2]:.0%} over {len(errors)} held-out cells")
     return "\n".join(lines)
-
-
-def read_sweep(path: str) -> dict:
-    """An earlier --out file, checked: BadFileError names the file and what is wrong."""
-    document = check(read_json(path), SWEEP, path)
-    check(document.get("training", []), TRAINING, path, "training")
-    for i, r in enumerate(document["records"]):
-        if (r["algorithm"] not in ALGORITHMS or r["selector"] not in SELECTORS
-                or not emucluster.RATE.match(r["rate"]) or min(r["hosts"], r["ranks_per_host"], r["size"]) < 1
-                or not 0 < r["density"] <= 1 or not r["time_median"] > 0):
-            raise BadFileError(path, f"records[{i}] is not a cell this program measures: {r}")
-    return document
 
 
 def report(document: dict) -> None:
@@ -287,11 +286,7 @@ def table(records: list) -> str:
 def main() -> int:
     args = parse_args()
     if args.report:
-        try:
-            report(read_sweep(args.report))
-        except BadFileError as error:
-            print(f"bench_cluster.py: error: --report {error}", file=sys.stderr)
-            return 2
+        report(json.loads(Path(args.report).read_text()))
         return 0
     reason = emucluster.available()
     if reason:
