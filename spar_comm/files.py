@@ -94,8 +94,8 @@ def check(value: Any, schema: Any, path: Any, where: str = "") -> Any:
         for i, item in enumerate(value):
             check(item, schema[0] if isinstance(schema, list) else schema[i], path, f"{where}[{i}]")
         return value
-    if schema is float:
-        fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if schema is float:  # an integer too large for a float is not finite either
+        fits = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 1.7e308 and math.isfinite(value)
     elif schema is int:
         fits = isinstance(value, int) and not isinstance(value, bool)
     else:
