@@ -3,6 +3,8 @@ order of calls, error unwrapping). Collective behaviour is in test_jax_mpi.py.""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
@@ -15,6 +17,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from conftest import ROOT, find_mpiexec  # noqa: E402
 from spar_comm import ConfigError, NonFiniteGradientError, Topology  # noqa: E402
 from spar_comm.jax import SparseAllreduceState, sparse_allreduce, unwrap_errors  # noqa: E402
 
@@ -106,3 +109,45 @@ def test_composes_with_optax_chain(lone):
     state = tx.init(params)
     updates, state = jax.jit(tx.update)({"w": jnp.asarray([2.0, 4.0, -2.0])}, state, params)
     assert np.array_equal(np.asarray(optax.apply_updates(params, updates)["w"]), [0.0, -1.0, 2.0])
+
+
+
+ABORT_SCRIPT = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from mpi4py import MPI
+from spar_comm import Allreducer
+from spar_comm.jax import sparse_allreduce
+from spar_comm.kernels import register
+
+def fail_on_rank_1():
+    if MPI.COMM_WORLD.rank == 1:
+        raise MemoryError("injected on rank 1")
+
+selector = "exact"
+if sys.argv[1] == "selection":  # inside the allreduce
+    register("broken", lambda: lambda x, k: fail_on_rank_1() or np.arange(k), exact=False)
+    selector = "broken"
+else:  # in the update's own host code, before the allreduce
+    load = Allreducer.load_residual_state
+    Allreducer.load_residual_state = lambda self, *args: fail_on_rank_1() or load(self, *args)
+tx = sparse_allreduce("topka", 0.1, selector=selector)
+state = tx.init({"w": jnp.zeros(100)})
+jax.jit(tx.update)({"w": jnp.ones(100)}, state)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where, message", [
+    ("selection", "[rank 1] topka allreduce failed"),
+    ("update", "[rank 1] spar_comm.jax sparse_allreduce update failed"),
+])
+def test_a_failure_on_one_rank_inside_the_callback_aborts_the_job(where, message):
+    """Not a spar_comm error (a bug, memory): the others wait in a collective,
+    so the whole job ends, from inside JAX's callback too."""
+    result = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-c", ABORT_SCRIPT, where], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr and "injected on rank 1" in result.stderr
+    assert "not reached" not in result.stdout
