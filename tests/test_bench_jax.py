@@ -26,8 +26,6 @@ def test_small_run_times_both_paths(run_driver, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--sizes", "0"], "every item must be an integer >= 1"),
     (["--algorithms", "dense,fast"], "every item must be one of"),
-    (["--density", "2"], "density must be in (0, 1]"),
-    (["--repeat", "0"], "must be >= 1"),
     (["--out", "/no/such/folder/x.json"], "cannot write --out"),
 ])
 def test_bad_input_exits_2_with_a_message(run_driver, args, words):
