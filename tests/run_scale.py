@@ -83,11 +83,12 @@ def main() -> int:
     parser.add_argument("--mpiexec", default="mpiexec", help="the MPI launcher (default: %(default)s)")
     parser.add_argument("--limit", type=float, default=900, help="seconds per launch before it is killed")
     parser.add_argument("--rate", default="10gbit", help="link rate of the emulated hosts (default: %(default)s)")
-    parser.add_argument("--no-hosts", action="store_true", help="only the launches on one host")
+    parser.add_argument("--where", choices=("both", "one-host", "hosts"), default="both",
+                        help="one host with emulated nodes, emulated hosts, or both (default: %(default)s)")
     args = parser.parse_args()
     os.environ.pop(ENV_RANKS_PER_NODE, None)  # on the emulated hosts the nodes are found, not emulated
-    reason = "--no-hosts" if args.no_hosts else emucluster.available()
-    where = ["one host"] + (["emulated hosts"] if reason is None else [])
+    reason = "--where one-host" if args.where == "one-host" else emucluster.available()
+    where = (["one host"] if args.where != "hosts" else []) + (["emulated hosts"] if reason is None else [])
     failed, began = 0, time.monotonic()
     for place in where:
         for ranks, per_node in LAYOUTS:
