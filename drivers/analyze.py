@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Read HDF5 traces of drivers/train.py: phase breakdown, bytes, throughput,
-several runs side by side, a stacked-bar plot, a Chrome/Perfetto export.
+several runs side by side, a plot (phase breakdown, loss, accuracy against wall
+time), a Chrome/Perfetto export.
 
     python drivers/analyze.py runs/dense.h5 runs/hitopk.h5 --plot breakdown.png
     python drivers/analyze.py runs/train.h5 --json > summary.json
@@ -38,7 +39,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="analyze.py", description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", metavar="TRACE", help="HDF5 trace files")
     p.add_argument("--steps", type=step_range, metavar="A:B", help="only steps A to B-1 (default: all)")
-    p.add_argument("--plot", metavar="PNG", help="write a stacked-bar breakdown and the loss curves")
+    p.add_argument("--plot", metavar="PNG",
+                   help="write a stacked-bar breakdown, the loss curves and held-out accuracy against wall time")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of tables")
     p.add_argument("--chrome", metavar="JSON", help="write Chrome/Perfetto trace events of the first trace")
     p.add_argument("--follow", action="store_true", help="report a running job's trace until it is done")

@@ -36,6 +36,8 @@ import numpy as np
 
 from spar_comm import ALGORITHMS, costmodel, emucluster
 from spar_comm.cli import comma_list, positive_int
+from spar_comm.files import BadFileError, Nullable, check, read_json
+from spar_comm.kernels import SELECTORS
 from spar_comm.training.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +45,12 @@ HERE = Path(__file__).resolve().parent
 #: 1024 (1,126,410 parameters), 10 epochs, density 0.001 for the sparse ones.
 WORKLOAD = "--hidden 1024 --epochs 10 --density 0.001"
 DENSE = ("dense", "hier_dense")
+#: What --report reads of an --out file (spar_comm.files.check); "training" may be absent.
+SWEEP = {"records": [{"layout": str, "hosts": int, "ranks_per_host": int, "rate": str, "rate_bps": float,
+                      "density": float, "selector": str, "algorithm": str, "size": int, "time_median": float,
+                      "t_select": float}]}
+TRAINING = [{"algorithm": str, "layout": str, "rate": str, "target": float, "seconds_to_target": Nullable(float),
+             "epoch_to_target": Nullable(int), "final_metric": float, "total_seconds": float}]
 
 
 def layouts(text: str) -> list:
@@ -246,6 +254,18 @@ def model_table(checked: list) -> str:
     return "\n".join(lines)
 
 
+def read_sweep(path: str) -> dict:
+    """An earlier --out file, checked: BadFileError names the file and what is wrong."""
+    document = check(read_json(path), SWEEP, path)
+    check(document.get("training", []), TRAINING, path, "training")
+    for i, r in enumerate(document["records"]):
+        if (r["algorithm"] not in ALGORITHMS or r["selector"] not in SELECTORS
+                or not emucluster.RATE.match(r["rate"]) or min(r["hosts"], r["ranks_per_host"], r["size"]) < 1
+                or not 0 < r["density"] <= 1 or not r["time_median"] > 0):
+            raise BadFileError(path, f"records[{i}] is not a cell this program measures: {r}")
+    return document
+
+
 def report(document: dict) -> None:
     """Print the tables of a sweep: times per cell, the cost model per cell
     (kept in the document), and the training runs."""
@@ -286,7 +306,11 @@ def table(records: list) -> str:
 def main() -> int:
     args = parse_args()
     if args.report:
-        report(json.loads(Path(args.report).read_text()))
+        try:
+            report(read_sweep(args.report))
+        except BadFileError as error:
+            print(f"bench_cluster.py: error: --report {error}", file=sys.stderr)
+            return 2
         return 0
     reason = emucluster.available()
     if reason:
