@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Held-out accuracy at low density, with and without the convergence aids,
+against dense: every cell after the same epochs, over several seeds.
+
+Sparsification trades accuracy for bytes; the aids of Deep Gradient
+Compression (momentum correction and masking, density warm-up, local
+clipping) are meant to buy it back. This program answers how much of it they
+buy back on one workload: for every --densities value it trains --algorithm
+with the aids as train.py sets them by default ("aids on") and with all of
+them off ("aids off"), and it trains dense, each with every --seeds value,
+all on the same ranks and emulated nodes. One line per cell: mean, standard
+deviation, lowest and highest final held-out accuracy, and the mean's
+distance from dense in points. JSON goes to --out after every run, so a
+killed sweep keeps what it measured.
+
+    mpiexec -n 4 python drivers/bench_accuracy.py --out accuracy.json
+    mpiexec -n 4 python drivers/bench_accuracy.py --workload "--hidden 1024 --epochs 10" --seeds 0,1,2
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank, as train.py
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Dict, List  # noqa: E402
+
+from mpi4py import MPI  # noqa: E402
+
+from spar_comm import ALGORITHMS  # noqa: E402
+from spar_comm.cli import comma_list, density  # noqa: E402
+from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.errors import ConfigError  # noqa: E402
+from spar_comm.launch import run_main  # noqa: E402
+from spar_comm.training import TrainConfig, train  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import config_from, make_parser  # noqa: E402
+
+#: The aids switched off: what "aids off" changes of a TrainConfig.
+AIDS_OFF = dict(momentum_correction=False, momentum_masking=False, density_warmup=0, clip_norm=0.0)
+DENSE = "dense"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_accuracy.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--densities", type=comma_list(float, lambda d: 0 < d <= 1, "in (0, 1]"),
+                        default=[0.01, 0.001, 0.0001], help="(default: 0.01,0.001,0.0001)")
+    parser.add_argument("--algorithm", default="hitopk", choices=[a for a in ALGORITHMS if a != DENSE],
+                        help="the sparse algorithm (default: %(default)s)")
+    parser.add_argument("--seeds", type=comma_list(int, lambda s: s >= 0, "an integer >= 0"), default=[0, 1, 2],
+                        help="initial weights and data order of each run (default: 0,1,2)")
+    parser.add_argument("--workload", default="",
+                        help="train.py flags of every run, e.g. --workload=\"--hidden 1024 --epochs 10\" "
+                             "(default: train.py's defaults, the digits MLP)")
+    parser.add_argument("--out", help="JSON results")
+    return parser.parse_args(argv)
+
+
+def base_config(workload: str) -> TrainConfig:
+    """train.py's config for ``workload``, without a trace or a progress bar.
+    A bad flag is a usage message and exit status 2 on every rank."""
+    args = make_parser().parse_args([*shlex.split(workload), "--trace", "", "--no-progress"])
+    for owned in ("algorithm", "density", "seed"):
+        if any(flag == f"--{owned}" or flag.startswith(f"--{owned}=") for flag in shlex.split(workload)):
+            raise ConfigError(f"--workload sets --{owned}, which this program chooses per cell")
+    config = config_from(args)
+    problems = config.problems()
+    if problems:
+        raise ConfigError("--workload: " + "; ".join(problems))
+    return config
+
+
+def cells(args: argparse.Namespace) -> List[Dict]:
+    """Every run: dense first, then each density with the aids on and off, each seed."""
+    runs = [{"cell": DENSE, "algorithm": DENSE, "density": 1.0, "aids": None}]
+    for d in args.densities:
+        runs += [{"cell": f"{args.algorithm} {d:g} aids {state}", "algorithm": args.algorithm, "density": d,
+                  "aids": state} for state in ("on", "off")]
+    return [{**run, "seed": seed} for run in runs for seed in args.seeds]
+
+
+def run_cell(base: TrainConfig, cell: Dict, comm: MPI.Comm) -> Dict:
+    changes = dict(algorithm=cell["algorithm"], density=cell["density"], seed=cell["seed"])
+    if cell["aids"] == "off":
+        changes.update(AIDS_OFF)
+    summary = train(dataclasses.replace(base, **changes), comm)
+    return {**cell, "final_metric": summary.test_metric, "train_loss": summary.train_loss, "steps": summary.steps,
+            "wall": summary.wall}
+
+
+def table(runs: List[Dict]) -> str:
+    """One line per cell: mean, spread and distance from dense of the final metric."""
+    groups: Dict[str, List[float]] = {}
+    for run in runs:
+        groups.setdefault(run["cell"], []).append(run["final_metric"])
+    dense = statistics.fmean(groups[DENSE]) if DENSE in groups else None
+    lines = [f"{'cell':<28} {'mean':>7} {'std':>7} {'min':>7} {'max':>7} {'vs dense':>9} {'seeds':>5}"]
+    for cell, values in groups.items():
+        mean = statistics.fmean(values)
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        gap = f"{100 * (mean - dense):+8.2f}p" if dense is not None and cell != DENSE else f"{'-':>9}"
+        lines.append(f"{cell:<28} {mean:7.4f} {spread:7.4f} {min(values):7.4f} {max(values):7.4f} {gap} {len(values):>5}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    comm = MPI.COMM_WORLD
+    lead = comm.rank == 0
+    raise_if_any(comm, f"cannot write --out {args.out}" if lead and args.out and not os.access(
+        os.path.dirname(os.path.abspath(args.out)), os.W_OK) else None)
+    base = base_config(args.workload)
+    document = {"meta": {**vars(args), "world_size": comm.size, "config": dataclasses.asdict(base)}, "runs": []}
+    plan = cells(args)
+    for number, cell in enumerate(plan, 1):
+        if lead:
+            print(f"# {number}/{len(plan)}: {cell['cell']}, seed {cell['seed']}", flush=True)
+        document["runs"].append(run_cell(base, cell, comm))
+        if lead and args.out:
+            temporary = args.out + ".tmp"
+            Path(temporary).write_text(json.dumps(document, indent=1))
+            os.replace(temporary, args.out)
+    if lead:
+        print(f"final held-out metric after {document['runs'][0]['steps']} steps on {comm.size} ranks "
+              f"({args.workload or 'train.py defaults'}); aids on: train.py's defaults")
+        print(table(document["runs"]))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, "bench_accuracy.py")
