@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shared-buffer", action=argparse.BooleanOptionalAction, default=True,
                         help="assemble the gradient in each allreducer's .buffer (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--link-counters", metavar="IFACE",
+                        help="also count the bytes every host's IFACE sends in one call of each algorithm, "
+                             "from /sys/class/net/IFACE/statistics (an emulated cluster's emu0)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.algorithms.split(",")) - set(ALGORITHMS))
@@ -100,9 +103,46 @@ def measure(reducers: list, grad: np.ndarray, warmup: int, repeat: int, shared_b
     slowest = np.empty_like(rows)
     world.Allreduce(rows, slowest, op=MPI.MAX)
     sent = np.array([[r.last["bytes_intra"], r.last["bytes_inter"], r.last["k"]] for r in reducers], np.int64)
-    most = np.empty_like(sent)
+    most, total = np.empty_like(sent), np.empty_like(sent)
     world.Allreduce(sent, most, op=MPI.MAX)
-    return [summary(times, figures) for times, figures in zip(slowest, most)]
+    world.Allreduce(sent, total, op=MPI.SUM)
+    return [{**summary(times, figures), "bytes_inter_all_ranks": int(sum_[1])}
+            for times, figures, sum_ in zip(slowest, most, total)]
+
+
+def link_counter(world: MPI.Comm, iface: str) -> str | None:
+    """The path of IFACE's sent-bytes counter on one rank of each host (None on
+    the others). A host where it cannot be read makes every rank raise
+    ConfigError, before anything is measured."""
+    host = world.Split_type(MPI.COMM_TYPE_SHARED)
+    reader = host.rank == 0
+    host.Free()
+    path = f"/sys/class/net/{iface}/statistics/tx_bytes"
+    raise_if_any(world, None if not reader or os.access(path, os.R_OK) else
+                 f"--link-counters {iface}: cannot read {path} on host {MPI.Get_processor_name()}")
+    return path if reader else None
+
+
+def link_bytes(reducers: list, sends: list, out: np.ndarray, counter: str | None) -> list:
+    """Bytes sent on the hosts' links during one call of each reducer, summed
+    over hosts (``counter`` is the path ``link_counter`` gave this rank; the
+    barriers before and after add a few hundred bytes)."""
+    world = reducers[0].topology.world
+
+    def sent() -> int:
+        if counter is None:
+            return 0
+        with open(counter) as stream:
+            return int(stream.read())
+
+    counts = []
+    for reducer, send in zip(reducers, sends):
+        world.Barrier()
+        before = sent()
+        reducer.allreduce(send, out=out)
+        world.Barrier()
+        counts.append(sent() - before)
+    return world.allreduce(np.array(counts, np.int64)).tolist()
 
 
 def summary(slowest: np.ndarray, most: np.ndarray) -> dict:
@@ -127,6 +167,7 @@ def main() -> int:
     lead = world.rank == 0
     # Only rank 0 writes, so only its view of the file system counts; all ranks agree.
     raise_if_any(world, unwritable(args.out) if lead and args.out else None)
+    counter = link_counter(world, args.link_counters) if args.link_counters else None
     meta = {
         "tool": "bench_comm",
         "spar_comm_version": spar_comm.__version__,
@@ -158,6 +199,10 @@ def main() -> int:
         reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector,
                                     shared_buffer=args.shared_buffer) for a in args.algorithms]
         measured = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
+        if args.link_counters:
+            sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
+            for figures, count in zip(measured, link_bytes(reducers, sends, np.empty_like(grad), counter)):
+                figures["link_bytes"] = count
         for reducer in reducers:
             reducer.free()
         times = {algorithm: figures["time_median"] for algorithm, figures in zip(args.algorithms, measured)}

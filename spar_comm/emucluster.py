@@ -32,7 +32,10 @@ from typing import Dict, List, Optional, Sequence
 PREFIX = "spc"
 IFACE = "emu0"  # the interface name inside every host, so FI_TCP_IFACE is one value
 STATE_ROOT = Path(os.environ.get("SPAR_COMM_EMU_STATE", "/run/spar_comm_emucluster"))
-RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
+#: A tc rate, or "unshaped": no rate limit, so what is left of a call's time
+#: is the CPU's (how bench_cluster.py measures contention between the ranks).
+UNSHAPED = "unshaped"
+RATE = re.compile(r"^(\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)|unshaped)$")
 DELAY = re.compile(r"^\d+(\.\d+)?(s|ms|us)$")
 # MPICH: TCP between hosts over the shaped links, shared memory inside a host.
 MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE}
@@ -70,7 +73,7 @@ class ClusterSpec:
         if self.ranks_per_host < 1:
             problems.append(f"ranks per host must be >= 1, got {self.ranks_per_host}")
         if not RATE.match(self.rate):
-            problems.append(f"rate {self.rate!r} is not a tc rate such as 100mbit, 1gbit, 10gbit")
+            problems.append(f"rate {self.rate!r} is not a tc rate such as 100mbit, 1gbit, 10gbit, or {UNSHAPED!r}")
         if not DELAY.match(self.delay):
             problems.append(f"delay {self.delay!r} is not a tc time such as 0us, 50us, 1ms")
         if not re.match(r"^[a-z][a-z0-9]{0,5}$", self.prefix):
@@ -154,8 +157,8 @@ def available() -> Optional[str]:
 
 
 def _shape(spec: ClusterSpec, i: int, verb: str = "add") -> None:
-    """Shape both ends of host i's link: rate each way, the delay on the host's side."""
-    burst = _burst_bytes(spec.rate)
+    """Shape both ends of host i's link: rate each way (none when unshaped), the
+    delay on the host's side."""
     for where in (("ip", "netns", "exec", spec.namespace(i)), ()):
         dev = IFACE if where else spec.veth(i)
         base = (*where, "tc", "qdisc")
@@ -171,7 +174,9 @@ def _shape(spec: ClusterSpec, i: int, verb: str = "add") -> None:
             parent = ("parent", "1:", "handle", "2:")
         else:
             parent = ("root", "handle", "2:")
-        _run(*base, "add", "dev", dev, *parent, "tbf", "rate", spec.rate, "burst", str(burst), "latency", "200ms")
+        if spec.rate != UNSHAPED:
+            _run(*base, "add", "dev", dev, *parent, "tbf", "rate", spec.rate, "burst", str(_burst_bytes(spec.rate)),
+                 "latency", "200ms")
 
 
 def _delay_seconds(delay: str) -> float:
@@ -180,7 +185,9 @@ def _delay_seconds(delay: str) -> float:
 
 
 def rate_bits_per_second(rate: str) -> float:
-    """A tc rate such as ``1gbit`` or ``100mbps`` in bits per second."""
+    """A tc rate such as ``1gbit`` or ``100mbps`` in bits per second (unshaped: inf)."""
+    if rate == UNSHAPED:
+        return float("inf")
     number, unit = re.match(r"^([\d.]+)(\D+)$", rate).groups()
     scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
              "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}[unit]

@@ -57,6 +57,40 @@ def test_links_are_shaped_and_reshaped(cluster):
 
 
 @needs_netns
+def test_unshaped_links_have_no_rate_limit(cluster):
+    spec = emucluster.reshape(cluster, emucluster.UNSHAPED, "0us")
+    for where in (["ip", "netns", "exec", spec.namespace(0), "tc", "qdisc", "show", "dev", emucluster.IFACE],
+                  ["tc", "qdisc", "show", "dev", spec.veth(0)]):
+        assert "tbf" not in subprocess.run(where, capture_output=True, text=True).stdout
+    assert emucluster.rate_bits_per_second(emucluster.UNSHAPED) == float("inf")
+
+
+@needs_netns
+def test_bench_comm_counts_each_algorithms_bytes_on_the_links(cluster, tmp_path):
+    """bench_comm.py --link-counters: what every host's interface sent in one
+    call of each algorithm, against the package's own count. hier_dense's
+    inter-node traffic is its rail Allreduce alone: within 10%. dense and
+    topka talk on the world communicator, where the package counts every byte
+    as if it crossed nodes; MPICH's butterflies cross only at distance 2:
+    Rabenseifner's allreduce puts a quarter of the vector each way per rank on
+    the links (2 x nbytes in all), recursive doubling's allgather 2 of the 3
+    blocks the package counts."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(ROOT / "drivers" / "bench_comm.py"), "--sizes", str(1 << 20), "--repeat", "1",
+               "--warmup", "1", "--algorithms", "dense,hier_dense,topka", "--link-counters", emucluster.IFACE,
+               "--out", str(out)]
+    result = emucluster.run(cluster, command, timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = {row["algorithm"]: row for row in json.loads(out.read_text())["results"]}
+    links = {algorithm: (row["link_bytes"], row["bytes_inter_all_ranks"]) for algorithm, row in rows.items()}
+    sent, counted = links["hier_dense"]
+    assert counted > 0 and abs(sent - counted) <= 0.10 * counted, links
+    expected = {"dense": 2 * rows["dense"]["nbytes"], "topka": 2 / 3 * links["topka"][1]}
+    for algorithm, nbytes in expected.items():
+        assert abs(links[algorithm][0] - nbytes) <= 0.10 * nbytes, links
+
+
+@needs_netns
 def test_a_failed_up_leaves_nothing_behind(monkeypatch):
     emucluster.down(PREFIX)
 
