@@ -12,7 +12,17 @@ measured) and as one table at the end; the cluster is removed at the end, on
 Ctrl-C and on failure.
 
     python drivers/bench_cluster.py --out cluster.json
+    python drivers/bench_cluster.py --sweep nodes --out nodes.json --plot nodes.png
     python drivers/bench_cluster.py --time-to-accuracy --out tta.json --traces runs/tta
+
+``--sweep nodes`` measures how each algorithm's time grows with the node
+count: 2 to 16 hosts of 1 rank and 2 to 8 hosts of 2, 2^20 and 2^22 floats,
+density 0.001, at 100 Mbit/s, 1 Gbit/s and unshaped. The unshaped links
+leave only the CPU's share of a call (every rank runs on this machine's
+cores), which the report sets against the shaped times. The cost model is
+fitted on the cells of at most 4 hosts and asked for the 8- and 16-host
+ones; ``--plot`` draws measured times and the model's lines against the
+node count. Every cell also counts the bytes its call put on the links.
 
 ``--time-to-accuracy`` trains a communication-bound workload (``--workload``,
 by default the digits MLP with 1.1M parameters at density 0.001) with every
@@ -45,8 +55,13 @@ HERE = Path(__file__).resolve().parent
 #: 1024 (1,126,410 parameters), 10 epochs, density 0.001 for the sparse ones.
 WORKLOAD = "--hidden 1024 --epochs 10 --density 0.001"
 DENSE = ("dense", "hier_dense")
+#: --sweep nodes: time against the node count (flags given explicitly still win).
+NODE_SWEEP = dict(layouts=[(2, 1), (4, 1), (8, 1), (16, 1), (2, 2), (4, 2), (8, 2)], sizes=[1 << 20, 1 << 22],
+                  densities=[0.001], rates=["100mbit", "1gbit", emucluster.UNSHAPED], train=[], repeat=5)
+#: The node sweep's model is fitted on cells of at most this many hosts and asked for the others.
+FIT_HOSTS = 4
 #: What --report reads of an --out file (spar_comm.files.check); "training" may be absent.
-SWEEP = {"records": [{"layout": str, "hosts": int, "ranks_per_host": int, "rate": str, "rate_bps": float,
+SWEEP = {"records": [{"layout": str, "hosts": int, "ranks_per_host": int, "rate": str, "rate_bps": Nullable(float),
                       "density": float, "selector": str, "algorithm": str, "size": int, "time_median": float,
                       "t_select": float}]}
 TRAINING = [{"algorithm": str, "layout": str, "rate": str, "target": float, "seconds_to_target": Nullable(float),
@@ -87,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.95, help="held-out accuracy to reach (default: %(default)s)")
     parser.add_argument("--skip-bench", action="store_true", help="only the training runs")
     parser.add_argument("--report", metavar="JSON", help="print the tables of an earlier --out file; run nothing")
+    parser.add_argument("--sweep", choices=["nodes"],
+                        help="nodes: every algorithm at 2-16 hosts x 1 rank and 2-8 hosts x 2 (see above)")
+    parser.add_argument("--plot", metavar="PNG", help="draw time against node count, measured and modelled (--sweep nodes)")
     tta = parser.add_argument_group("time to accuracy (--time-to-accuracy)")
     tta.add_argument("--time-to-accuracy", action="store_true",
                      help="train --workload with each --tta-algorithms on every layout and --tta-rates instead of the sweep")
@@ -99,11 +117,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     tta.add_argument("--tta-repeat", type=positive_int, default=1,
                      help="runs of every cell, the algorithms interleaved; the table shows the median (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.sweep == "nodes":
+        parser.set_defaults(**NODE_SWEEP)
+        args = parser.parse_args(argv)
     unknown = set(args.train) - set(ALGORITHMS)
     if unknown:
         parser.error(f"unknown algorithm(s) {', '.join(sorted(unknown))}")
-    if args.out and not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):
-        parser.error(f"cannot write --out {args.out}")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"cannot write {flag} {path}")
     return args
 
 
@@ -113,7 +135,8 @@ def run_bench_comm(spec, args, density: float, algorithms: list, repeat: int) ->
         out = os.path.join(folder, "bench.json")
         command = [sys.executable, str(HERE / "bench_comm.py"), "--sizes", ",".join(map(str, args.sizes)),
                    "--density", str(density), "--algorithms", ",".join(algorithms),
-                   "--repeat", str(repeat), "--warmup", str(args.warmup), "--out", out]
+                   "--repeat", str(repeat), "--warmup", str(args.warmup), "--out", out,
+                   "--link-counters", emucluster.IFACE]
         if args.selector:
             command += ["--selector", args.selector]
         result = emucluster.run(spec, command, timeout=args.limit)
@@ -219,22 +242,34 @@ def tta_table(runs: list) -> str:
     return "\n".join(lines)
 
 
-def model_check(records: list) -> list:
-    """The cost model against the cells: per link rate, fitted on the smallest
-    size and asked for the larger ones (held out), so each cell reports what
-    the model predicts for a size it has not seen."""
+def measurement(r: dict) -> costmodel.Measurement:
+    return costmodel.Measurement(costmodel.Cluster(r["hosts"], r["ranks_per_host"]), r["algorithm"], r["size"],
+                                 "float32", r["density"], r["selector"], r["time_median"], r["t_select"])
+
+
+def held_out_rule(document: dict):
+    """Which cells the model must predict without having seen them: the 8- and
+    16-host cells of a node sweep, the larger sizes of the other sweeps."""
+    records = document["records"]
+    if document.get("meta", {}).get("sweep") == "nodes":
+        return lambda r: r["hosts"] > FIT_HOSTS
+    smallest = min(r["size"] for r in records)
+    return lambda r: r["size"] > smallest
+
+
+def fitted_models(records: list, held_out) -> dict:
+    """Per shaped link rate, the cost model fitted on the cells ``held_out`` rejects."""
+    rates = sorted({r["rate"] for r in records if r["rate"] != emucluster.UNSHAPED}, key=emucluster.rate_bits_per_second)
+    return {rate: costmodel.fit([measurement(r) for r in records if r["rate"] == rate and not held_out(r)])
+            for rate in rates}
+
+
+def model_check(records: list, held_out) -> list:
+    """The cost model against the held-out cells, fitted per link rate on the others."""
     checked = []
-    for rate in sorted({r["rate"] for r in records}, key=emucluster.rate_bits_per_second):
-        rows = [r for r in records if r["rate"] == rate]
-        smallest = min(r["size"] for r in rows)
-
-        def measurement(r):
-            return costmodel.Measurement(costmodel.Cluster(r["hosts"], r["ranks_per_host"]), r["algorithm"], r["size"],
-                                         "float32", r["density"], r["selector"], r["time_median"], r["t_select"])
-
-        machine = costmodel.fit([measurement(r) for r in rows if r["size"] == smallest])
-        for r in rows:
-            if r["size"] != smallest:
+    for rate, machine in fitted_models(records, held_out).items():
+        for r in records:
+            if r["rate"] == rate and held_out(r):
                 predicted = machine.seconds(measurement(r).terms())
                 checked.append({"layout": r["layout"], "rate": rate, "size": r["size"], "density": r["density"],
                                 "algorithm": r["algorithm"], "measured": r["time_median"], "predicted": predicted,
@@ -244,14 +279,96 @@ def model_check(records: list) -> list:
 
 def model_table(checked: list) -> str:
     lines = [f"{'layout':>6} {'rate':>8} {'size':>9} {'density':>7} {'algorithm':<14} {'measured':>9} "
-             f"{'predicted':>9} {'error':>6}   (ms; model fitted per rate on the smallest size)"]
+             f"{'predicted':>9} {'error':>6}   (ms; model fitted per rate on the other cells)"]
     for c in checked:
         lines.append(f"{c['layout']:>6} {c['rate']:>8} {c['size']:>9} {c['density']:>7} {c['algorithm']:<14} "
                      f"{c['measured'] * 1e3:9.1f} {c['predicted'] * 1e3:9.1f} {c['error']:6.0%}")
     errors = sorted(c["error"] for c in checked)
     if errors:
         lines.append(f"median error {errors[len(errors) // 2]:.0%} over {len(errors)} held-out cells")
+    for algorithm in ALGORITHMS:
+        mine = sorted(c["error"] for c in checked if c["algorithm"] == algorithm)
+        if mine:
+            lines.append(f"  {algorithm:<14} median {statistics.median(mine):5.0%}, worst {mine[-1]:5.0%} "
+                         f"over {len(mine)} cells")
     return "\n".join(lines)
+
+
+def contention_table(records: list) -> str:
+    """What share of each shaped cell's time the same call takes on unshaped
+    links, where only the CPU (ranks sharing this machine's cores, TCP, MPI's
+    progress polling) is left: an upper bound on the part of a time that is
+    not the links'."""
+    unshaped = {(r["layout"], r["size"], r["density"], r["algorithm"]): r["time_median"]
+                for r in records if r["rate"] == emucluster.UNSHAPED}
+    rates = sorted({r["rate"] for r in records if r["rate"] != emucluster.UNSHAPED}, key=emucluster.rate_bits_per_second)
+    lines = [f"{'layout':>6} {'size':>9} {'algorithm':<14} {'unshaped':>9} " + " ".join(f"{rate:>9}" for rate in rates)
+             + "   (unshaped ms, and as a share of the time at each rate)"]
+    for key, seconds in unshaped.items():
+        shares = []
+        for rate in rates:
+            match = [r for r in records if r["rate"] == rate and (r["layout"], r["size"], r["density"], r["algorithm"]) == key]
+            shares.append(f"{seconds / match[0]['time_median']:9.0%}" if match else f"{'-':>9}")
+        lines.append(f"{key[0]:>6} {key[1]:>9} {key[3]:<14} {seconds * 1e3:9.1f} " + " ".join(shares))
+    return "\n".join(lines)
+
+
+def bytes_table(records: list) -> str:
+    """Bytes between nodes per call: counted on the links (every host's sent
+    bytes, TCP headers and acknowledgements included) against what the
+    package counts (every rank's ``bytes_inter``)."""
+    lines = [f"{'layout':>6} {'size':>9} {'algorithm':<14} {'links MB':>9} {'package MB':>10} {'ratio':>6}"]
+    seen = set()
+    for r in records:
+        key = (r["layout"], r["size"], r["density"], r["algorithm"])
+        if "link_bytes" not in r or key in seen:
+            continue
+        seen.add(key)
+        counted = r.get("bytes_inter_all_ranks", 0)
+        ratio = f"{r['link_bytes'] / counted:6.2f}" if counted else f"{'-':>6}"
+        lines.append(f"{r['layout']:>6} {r['size']:>9} {r['algorithm']:<14} {r['link_bytes'] / 1e6:9.3f} "
+                     f"{counted / 1e6:10.3f} {ratio}")
+    return "\n".join(lines)
+
+
+def plot_nodes(document: dict, path: str) -> None:
+    """Time per call against the node count, one panel per link rate and ranks
+    per host at the largest size: measured points, and the model fitted on the
+    cells of at most FIT_HOSTS hosts as lines (dashed where it extrapolates)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = document["records"]
+    size = max(r["size"] for r in records)
+    models = fitted_models(records, held_out_rule(document))
+    panels = sorted({(r["rate"], r["ranks_per_host"]) for r in records if r["rate"] in models},
+                    key=lambda p: (emucluster.rate_bits_per_second(p[0]), p[1]))
+    fig, grid = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False, sharey=True)
+    for axes, (rate, ranks) in zip(grid[0], panels):
+        for number, algorithm in enumerate(ALGORITHMS):
+            cells = sorted((r["hosts"], r["time_median"], r) for r in records
+                           if (r["rate"], r["ranks_per_host"], r["size"], r["algorithm"]) == (rate, ranks, size, algorithm))
+            if not cells:
+                continue
+            color = f"C{number}"
+            axes.plot([c[0] for c in cells], [1e3 * c[1] for c in cells], "o", color=color, label=algorithm)
+            hosts = [c[0] for c in cells]
+            predicted = [1e3 * models[rate].seconds(measurement(c[2]).terms()) for c in cells]
+            fitted = [h for h in hosts if h <= FIT_HOSTS]
+            axes.plot(hosts[:len(fitted)], predicted[:len(fitted)], "-", color=color, linewidth=1)
+            axes.plot(hosts[len(fitted) - 1:], predicted[len(fitted) - 1:], "--", color=color, linewidth=1)
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_title(f"{rate}, {ranks} rank{'s' if ranks > 1 else ''} per host, {size:,} floats", fontsize=9)
+        axes.set_xlabel("hosts (nodes)")
+    grid[0][0].set_ylabel("ms per allreduce (slowest rank)")
+    grid[0][-1].legend(fontsize=7)
+    fig.suptitle(f"points: measured; lines: cost model fitted on <= {FIT_HOSTS} hosts (dashed: predicted)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def read_sweep(path: str) -> dict:
@@ -266,15 +383,24 @@ def read_sweep(path: str) -> dict:
     return document
 
 
-def report(document: dict) -> None:
-    """Print the tables of a sweep: times per cell, the cost model per cell
-    (kept in the document), and the training runs."""
+def report(document: dict, plot: Optional[str] = None) -> None:
+    """Print the tables of a sweep: times per cell, the cost model against the
+    held-out cells (kept in the document), CPU contention and bytes on the
+    links where measured, and the training runs; draw the node plot."""
     records = document["records"]
     if records:
         print(table(records))
-        if len({r["size"] for r in records}) > 1:
-            document["model_check"] = model_check(records)
+        held_out = held_out_rule(document)
+        if any(map(held_out, records)):
+            document["model_check"] = model_check(records, held_out)
             print(model_table(document["model_check"]))
+        if any(r["rate"] == emucluster.UNSHAPED for r in records):
+            print(contention_table(records))
+        if any("link_bytes" in r for r in records):
+            print(bytes_table(records))
+        if plot:
+            plot_nodes(document, plot)
+            print(f"plot: {plot}")
     if document.get("time_to_accuracy"):
         runs = document["time_to_accuracy"]
         print(f"time to {runs[0]['target']:.0%} held-out accuracy, {runs[0]['workload']} "
@@ -289,10 +415,11 @@ def report(document: dict) -> None:
 
 def table(records: list) -> str:
     algorithms = [a for a in ALGORITHMS if any(r["algorithm"] == a for r in records)]
-    keys = sorted({(r["layout"], r["rate_bps"], r["rate"], r["size"], r["density"]) for r in records})
+    keys = sorted({(r["ranks_per_host"], r["hosts"], r["layout"], r["rate"], r["size"], r["density"]) for r in records},
+                  key=lambda k: (k[0], emucluster.rate_bits_per_second(k[3]), k[4], k[5], k[1]))
     lines = [f"{'layout':>6} {'rate':>8} {'size':>9} {'density':>7} " + " ".join(f"{a:>13}" for a in algorithms)
              + "   (ms per call, slowest rank)"]
-    for layout, _, rate, size, density in keys:
+    for _, _, layout, rate, size, density in keys:
         cells = []
         for algorithm in algorithms:
             # dense algorithms ran at the first density only: their time holds for all
@@ -307,7 +434,7 @@ def main() -> int:
     args = parse_args()
     if args.report:
         try:
-            report(read_sweep(args.report))
+            report(read_sweep(args.report), args.plot)
         except BadFileError as error:
             print(f"bench_cluster.py: error: --report {error}", file=sys.stderr)
             return 2
@@ -337,7 +464,7 @@ def main() -> int:
                     result = run_bench_comm(spec, args, density, algorithms, repeat)
                     for row in result["results"]:
                         records.append({"layout": f"{hosts}x{ranks}", "hosts": hosts, "ranks_per_host": ranks,
-                                        "rate": rate, "rate_bps": emucluster.rate_bits_per_second(rate),
+                                        "rate": rate, "rate_bps": _finite(emucluster.rate_bits_per_second(rate)),
                                         "density": density, "selector": result["meta"]["selector"], **row})
                     document["records"] = records
                     document["bench_comm_meta"] = result["meta"]
@@ -353,10 +480,15 @@ def main() -> int:
                         _write(args.out, document)
         finally:
             emucluster.down(args.prefix)
-    report(document)
+    report(document, args.plot)
     if args.out:
         _write(args.out, document)
     return 0
+
+
+def _finite(value: float) -> Optional[float]:
+    """JSON has no infinity: an unshaped link's rate is written as null."""
+    return value if value < float("inf") else None
 
 
 def _write(path: str, document: dict) -> None:
