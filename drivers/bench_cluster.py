@@ -61,6 +61,7 @@ NODE_SWEEP = dict(layouts=[(2, 1), (4, 1), (8, 1), (16, 1), (2, 2), (4, 2), (8, 
 #: The node sweep's model is fitted on cells of at most this many hosts and asked for the others.
 FIT_HOSTS = 4
 #: What --report reads of an --out file (spar_comm.files.check); "training" may be absent.
+#: A record's "cores" (the cores every emulated host shared) may be absent: older files.
 SWEEP = {"records": [{"layout": str, "hosts": int, "ranks_per_host": int, "rate": str, "rate_bps": Nullable(float),
                       "density": float, "selector": str, "algorithm": str, "size": int, "time_median": float,
                       "t_select": float}]}
@@ -243,8 +244,10 @@ def tta_table(runs: list) -> str:
 
 
 def measurement(r: dict) -> costmodel.Measurement:
-    return costmodel.Measurement(costmodel.Cluster(r["hosts"], r["ranks_per_host"]), r["algorithm"], r["size"],
-                                 "float32", r["density"], r["selector"], r["time_median"], r["t_select"])
+    """A cell as the cost model sees it: every emulated host on this machine's cores."""
+    cluster = costmodel.Cluster(r["hosts"], r["ranks_per_host"], r.get("cores"))
+    return costmodel.Measurement(cluster, r["algorithm"], r["size"], "float32", r["density"], r["selector"],
+                                 r["time_median"], r["t_select"])
 
 
 def held_out_rule(document: dict):
@@ -464,6 +467,7 @@ def main() -> int:
                     result = run_bench_comm(spec, args, density, algorithms, repeat)
                     for row in result["results"]:
                         records.append({"layout": f"{hosts}x{ranks}", "hosts": hosts, "ranks_per_host": ranks,
+                                        "cores": len(os.sched_getaffinity(0)),
                                         "rate": rate, "rate_bps": _finite(emucluster.rate_bits_per_second(rate)),
                                         "density": density, "selector": result["meta"]["selector"], **row})
                     document["records"] = records

@@ -133,3 +133,45 @@ def test_step_terms_follow_the_bytes_of_the_implementation():
     # topka at 2 ranks on 2 nodes: 41 pairs of float32 are 168 + 168 bytes, sent once
     terms = step_terms("topka", Cluster(2, 1), 4099, density=0.01)
     assert terms["beta_inter"] == 336 + 4  # the pairs, and the gradient check's 4 bytes
+
+
+def test_a_real_cluster_pays_no_contention_and_no_host_network_work():
+    for algorithm in ALGORITHMS:
+        terms = step_terms(algorithm, Cluster(4, 2), 1 << 20)
+        roomy = step_terms(algorithm, Cluster(4, 2, cores=8), 1 << 20)  # emulated, a core per rank
+        assert "host_inter" not in terms and terms == {t: a for t, a in roomy.items() if t != "host_inter"}
+
+
+def test_on_shared_cores_cpu_work_stretches_and_links_do_not():
+    real, emulated = (step_terms("topka", Cluster(4, 2, cores=cores), 1 << 20) for cores in (None, 2))
+    for term, amount in real.items():
+        stretch = 1 if term in ("beta_inter",) else 4  # 8 ranks on 2 cores
+        assert emulated[term] == pytest.approx(stretch * amount), term
+    # topka's world Allgather by recursive doubling of k=1049 pairs (4,196 bytes of values
+    # and of indices, each padded to 4,200): the steps at distance 2 and 4 cross nodes,
+    # and all 8 ranks send in each; so does the check's Allgather of 4 bytes
+    pairs = 2 * 4200
+    crossing = 8 * (2 * pairs + 4 * pairs) + 8 * (2 * 4 + 4 * 4)
+    assert emulated["host_inter"] == pytest.approx(crossing / 2)  # spread over 2 cores
+
+
+def test_fit_on_few_hosts_predicts_many_hosts_on_the_same_cores():
+    truth = CPU.replace(beta_inter=gbps_to_beta(1), gamma=3e-10, host_inter=2e-9)
+
+    def rows(layouts):
+        return [Measurement(Cluster(h, g, cores=2), a, n, "float32", 0.001, "mstopk",
+                            truth.seconds(step_terms(a, Cluster(h, g, cores=2), n)),
+                            truth.seconds({t: v for t, v in step_terms(a, Cluster(h, g, cores=2), n).items()
+                                           if t.startswith("select")}))
+                for h, g in layouts for a in ALGORITHMS for n in (1 << 20, 1 << 22)]
+
+    fitted = fit(rows([(2, 1), (4, 1), (2, 2), (4, 2)]), base=GPU)
+    assert fitted.host_inter == pytest.approx(2e-9, rel=0.05)
+    errors = [e for *_, e in relative_errors(fitted, rows([(8, 1), (16, 1), (8, 2)]))]
+    assert max(errors) < 0.02
+
+
+def test_a_calibration_written_before_host_inter_still_loads(tmp_path):
+    old = {name: value for name, value in GPU.to_dict().items() if name != "host_inter"}
+    (tmp_path / "cal.json").write_text(json.dumps({"tool": "spar_comm.costmodel", "machine": old}))
+    assert load([str(tmp_path / "cal.json")]) == GPU

@@ -8,6 +8,10 @@ the fixed ``overhead`` and the gradient check, a world Allgather of 4 bytes.
 
 Selection happens on every rank in parallel, so a step pays one rank's
 selection. Sizes of shards and of k follow ``selection_size`` exactly.
+
+On an emulated cluster (``Cluster.cores``) the CPU-bound terms are stretched
+by ``Cluster.contention`` and ``host_inter`` is shared by the cores; on a
+real cluster ``host_inter`` is dropped (see ``machine.py``).
 """
 from __future__ import annotations
 
@@ -108,4 +112,24 @@ def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float3
     """All the terms of one allreduce call of ``algorithm``."""
     x = Shape(cluster, size, np.dtype(dtype).itemsize, density, selector)
     common = Terms(overhead=1, gamma=x.nbytes) + mpi.allgather(x.world, 4)  # check, final average
-    return common + STEPS[algorithm](x)
+    return on_cores(common + STEPS[algorithm](x), cluster)
+
+
+#: Terms that are work of a rank's CPU (selection terms too), as opposed to a link's.
+CPU_TERMS = ("overhead", "gamma", "alpha_intra", "alpha_inter", "beta_intra")
+
+
+def on_cores(terms: Terms, cluster: Cluster) -> Terms:
+    """``terms`` as the cluster's cores pay them: unchanged, without host network
+    work, on a real cluster; stretched by the ranks sharing a core, and the
+    network work of all hosts spread over the cores, on an emulated one."""
+    placed = Terms()
+    for term, amount in terms.items():
+        if term == "host_inter":
+            if cluster.cores:
+                placed[term] = amount / cluster.cores
+        elif term in CPU_TERMS or term.startswith("select"):
+            placed[term] = amount * cluster.contention
+        else:
+            placed[term] = amount
+    return placed

@@ -30,7 +30,7 @@ import numpy as np
 from ..files import BadFileError, check, read_json
 from ..kernels import SELECTORS
 from .algorithms import STEPS, step_terms
-from .machine import CPU, LINK_TERMS, Cluster, Machine
+from .machine import CPU, LINK_TERMS, OPTIONAL_TERMS, Cluster, Machine
 
 TOOL = "spar_comm.costmodel"
 #: Rounds of reweighting by the predicted time (see ``fit``).
@@ -40,7 +40,7 @@ REWEIGHTS = 8
 #: Version of the calibration files ``save`` writes; files without one are of version 1.
 FORMAT = 1
 #: What each kind of input must hold (spar_comm.files.check); other keys are ignored.
-MACHINE = {**{name: float for name in LINK_TERMS}, "select": {str: (float, float)}}
+MACHINE = {**{name: float for name in LINK_TERMS if name not in OPTIONAL_TERMS}, "select": {str: (float, float)}}
 BENCH_COMM = {
     "meta": {"num_nodes": int, "ranks_per_node": int, "dtype": str, "density": float, "selector": str},
     "results": [{"algorithm": str, "size": int, "time_median": float, "t_select": float}],

@@ -10,15 +10,24 @@ NumPy calls, plus a cost per element scanned), and a fixed software overhead per
 ``beta_inter`` is the inverse bandwidth of a node's *network link*: flows
 that leave a node at the same time share it (see ``mpi.py``). ``beta_intra``
 is the inverse bandwidth one rank gets to another rank of its node.
+
+An emulated cluster runs every rank on one machine's few cores (``Cluster``
+with ``cores``): then the ranks' CPU work (memory passes, selection, message
+handling, per-call overhead) is stretched by ``ranks / cores``, and every
+byte between nodes also costs the shared CPU ``host_inter`` seconds in the
+network stack. On a real cluster (``cores=None``) each rank has its own core
+and a node's network stack works beside its link, so neither applies.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 #: The linear coefficients of the model, in the order of a fitted vector.
-LINK_TERMS = ("overhead", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma")
+LINK_TERMS = ("overhead", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "host_inter")
+#: Coefficients a calibration file may lack (written before they existed): 0.
+OPTIONAL_TERMS = ("host_inter",)
 
 
 def gbps_to_beta(gbps: float) -> float:
@@ -32,20 +41,30 @@ def beta_to_gbps(beta: float) -> float:
 
 @dataclass(frozen=True)
 class Cluster:
-    """``nodes`` nodes of ``ranks_per_node`` ranks (one rank per GPU or process)."""
+    """``nodes`` nodes of ``ranks_per_node`` ranks (one rank per GPU or process);
+    ``cores``: the cores all ranks share when the cluster is emulated on one
+    machine (None on a real cluster)."""
 
     nodes: int
     ranks_per_node: int
+    cores: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "ranks_per_node"):
+        for name in ("nodes", "ranks_per_node", "cores"):
             value = getattr(self, name)
+            if name == "cores" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def contention(self) -> float:
+        """How many ranks share a core (at least 1): the stretch of their CPU work."""
+        return max(1.0, self.ranks / self.cores) if self.cores else 1.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,8 @@ class Machine:
     alpha_inter: float
     beta_inter: float
     gamma: float
+    #: seconds of the shared CPU per byte between nodes (emulated clusters only)
+    host_inter: float = 0.0
     #: selector name -> (seconds per call, seconds per element scanned)
     select: Mapping[str, Tuple[float, float]] = field(default_factory=dict)
 
@@ -104,7 +125,8 @@ class Machine:
         select = data["select"]
         if not isinstance(select, Mapping):
             raise TypeError("select must map a selector name to [seconds per call, seconds per element]")
-        return cls(**{name: data[name] for name in LINK_TERMS}, select={k: tuple(v) for k, v in select.items()})
+        figures = {name: data.get(name, 0.0) if name in OPTIONAL_TERMS else data[name] for name in LINK_TERMS}
+        return cls(**figures, select={k: tuple(v) for k, v in select.items()})
 
 
 #: A GPU cluster as the README predictions assume it: NVLink-class links

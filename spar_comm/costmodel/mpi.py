@@ -69,11 +69,14 @@ class Span:
         return self.nodes > 1 and distance >= self.per_node
 
 
-def message(terms: Terms, span: Span, nbytes: float, inter: bool, flows: int = 1) -> None:
-    """One step that sends ``nbytes``; ``flows`` of the node's senders share its link."""
+def message(terms: Terms, span: Span, nbytes: float, inter: bool, flows: int = 1, senders: int = 1) -> None:
+    """One step that sends ``nbytes``; ``flows`` of the node's senders share its
+    link, and ``senders`` ranks send in all (``host_inter`` counts the bytes
+    every host's CPU pushes through its network stack)."""
     if inter:
         terms["alpha_inter"] += 1
         terms["beta_inter"] += flows * nbytes
+        terms["host_inter"] += senders * nbytes
     else:
         terms["alpha_intra"] += 1
         terms["beta_intra"] += nbytes
@@ -83,23 +86,26 @@ def _butterfly(terms: Terms, span: Span, sizes, distances, reduce: bool) -> None
     """Recursive halving or doubling: every rank exchanges ``sizes[i]`` bytes
     with the partner ``distances[i]`` away; all ranks of a node send at once."""
     for nbytes, distance in zip(sizes, distances):
-        message(terms, span, nbytes, span.crosses(distance), span.per_node * span.concurrent)
+        message(terms, span, nbytes, span.crosses(distance), span.per_node * span.concurrent,
+                span.size * span.concurrent)
         if reduce:
             terms["gamma"] += nbytes
 
 
 def _binomial(terms: Terms, span: Span, sizes, reduce: bool) -> None:
-    """A binomial tree; in a step across nodes one rank of a node sends."""
+    """A binomial tree; in a step across nodes one rank of a node sends (step i
+    of the tree has 2**i senders, counted as if spreading from the root)."""
     for i, nbytes in enumerate(sizes):
-        message(terms, span, nbytes, span.crosses(2**i), span.concurrent)
+        message(terms, span, nbytes, span.crosses(2**i), span.concurrent, 2**i * span.concurrent)
         if reduce:
             terms["gamma"] += nbytes
 
 
 def _ring(terms: Terms, span: Span, block: float) -> None:
-    """size-1 steps of one block; a node's boundary edge paces each step."""
+    """size-1 steps of one block; a node's boundary edge paces each step (one
+    such edge leaves every node)."""
     for _ in range(span.size - 1):
-        message(terms, span, block, span.nodes > 1, span.concurrent)
+        message(terms, span, block, span.nodes > 1, span.concurrent, span.nodes * span.concurrent)
 
 
 def _halving(nbytes: float, steps: int):
