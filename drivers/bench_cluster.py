@@ -346,10 +346,11 @@ def plot_nodes(document: dict, path: str) -> None:
     records = document["records"]
     size = max(r["size"] for r in records)
     models = fitted_models(records, held_out_rule(document))
-    panels = sorted({(r["rate"], r["ranks_per_host"]) for r in records if r["rate"] in models},
-                    key=lambda p: (emucluster.rate_bits_per_second(p[0]), p[1]))
-    fig, grid = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False, sharey=True)
-    for axes, (rate, ranks) in zip(grid[0], panels):
+    rates = sorted({r["rate"] for r in records if r["rate"] in models}, key=emucluster.rate_bits_per_second)
+    per_host = sorted({r["ranks_per_host"] for r in records})
+    fig, grid = plt.subplots(len(per_host), len(rates), figsize=(5 * len(rates), 3.6 * len(per_host)),
+                             squeeze=False, sharey=True)
+    for axes, (ranks, rate) in zip(grid.flat, itertools.product(per_host, rates)):
         for number, algorithm in enumerate(ALGORITHMS):
             cells = sorted((r["hosts"], r["time_median"], r) for r in records
                            if (r["rate"], r["ranks_per_host"], r["size"], r["algorithm"]) == (rate, ranks, size, algorithm))
@@ -366,7 +367,8 @@ def plot_nodes(document: dict, path: str) -> None:
         axes.set_yscale("log")
         axes.set_title(f"{rate}, {ranks} rank{'s' if ranks > 1 else ''} per host, {size:,} floats", fontsize=9)
         axes.set_xlabel("hosts (nodes)")
-    grid[0][0].set_ylabel("ms per allreduce (slowest rank)")
+    for row in grid:
+        row[0].set_ylabel("ms per allreduce (slowest rank)")
     grid[0][-1].legend(fontsize=7)
     fig.suptitle(f"points: measured; lines: cost model fitted on <= {FIT_HOSTS} hosts (dashed: predicted)", fontsize=9)
     fig.tight_layout()

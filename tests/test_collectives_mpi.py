@@ -243,3 +243,14 @@ def test_out_parameter_and_in_place(topology, algorithm):
                    f"step {step}: out= differs from a new array")
     for reducer in (fresh, into, in_place):
         reducer.free()
+
+
+def test_a_binomial_broadcast_sends_size_minus_one_messages():
+    from spar_comm.collectives.channel import binomial_children
+
+    # 0 sends to 1, 2, 4, 8; 2 to 3; 4 to 5, 6; 6 to 7; 8 to 9, 10, 12; 10 to 11; 12 to 13, 14; 14 to 15
+    assert [binomial_children(r, 0, 16) for r in range(16)] == [4, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0]
+    for size in range(1, 40):
+        for root in (0, size // 2, size - 1):
+            children = [binomial_children(r, root, size) for r in range(size)]
+            assert sum(children) == size - 1 and children[root] == (size - 1).bit_length()
