@@ -114,6 +114,10 @@ def test_accounting(topology, algorithm):
         expected = 2 * (COMM.size - 1) * n * 4 // COMM.size
         key = "bytes_inter" if topology.num_nodes > 1 else "bytes_intra"
         assert_all(COMM, last[key] == expected, f"dense sent {last[key]}, ring model says {expected}")
+    if algorithm == "gtopk":  # every rank but the root sends its k pairs up, and the broadcast forwards them
+        sent = COMM.allreduce(last["bytes_inter"] + last["bytes_intra"])
+        expected = 2 * (COMM.size - 1) * reducer.buf.nbytes
+        assert_all(COMM, sent == expected, f"gtopk sent {sent} in all, a binomial tree both ways {expected}")
 
 
 @pytest.mark.mpi(min_size=1)
