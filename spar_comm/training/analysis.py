@@ -128,7 +128,9 @@ def plot(traces: Sequence[Trace], summaries: Sequence[Dict[str, Any]], path: str
     import matplotlib.pyplot as plt
 
     fig, (bars, curves, accuracy) = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw=dict(width_ratios=[1, 1.3, 1.3]))
-    names = [f"{label(s)}\n{os.path.basename(s['path'])}" for s in summaries]
+    labels = [label(s) for s in summaries]  # file names only where labels alone are ambiguous
+    names = labels if len(set(labels)) == len(labels) else [
+        f"{text}\n{os.path.basename(s['path'])}" for text, s in zip(labels, summaries)]
     colors = plt.get_cmap("tab10").colors
     bottom = np.zeros(len(summaries))
     for i, part in enumerate(PARTS):
