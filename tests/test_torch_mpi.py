@@ -131,13 +131,11 @@ def test_a_bucket_starts_while_backward_is_still_running(topology):
     layers[0].weight.register_post_accumulate_grad_hook(hold)
     loss = layers(torch.randn(16, 32)).square().mean()
     loss.backward()
-    ended = time.perf_counter()
     opt.synchronize()
     times = opt.bucket_timings()  # reset by synchronize: check what the hold saw
     assert_all(COMM, started_in_backward == [True], "bucket 0 had not started while backward waited")
     assert_all(COMM, len(opt.buckets) >= 3, f"{len(opt.buckets)} buckets")
     assert_all(COMM, times == [{}] * len(opt.buckets), "timings not reset by synchronize")
-    assert_all(COMM, ended > 0)
 
 
 @pytest.mark.mpi(min_size=1)
