@@ -24,8 +24,12 @@ setup(
         # An MPI library from the package index, for machines without one.
         # Cluster users leave it out and build mpi4py against the site MPI.
         "mpich": ["mpich"],
-        "gpu": ["cupy-cuda12x"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "hypothesis", "matplotlib"],
+        # GPU arrays: CuPy, and numba-cuda for the selection kernels (kernels/device_select.py)
+        "gpu": ["cupy-cuda13x", "numba-cuda>=0.30.4,<0.31"],
+        # numba-cuda and a CUDA runtime library run the device kernels under
+        # Numba's CUDA simulator, so the tests exercise them without a GPU
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "hypothesis", "matplotlib",
+                 "numba-cuda>=0.30.4,<0.31", "nvidia-cuda-runtime>=13.5,<14"],
         # analyze.py --plot
         "plot": ["matplotlib"],
         # spar_comm.torch (DistributedOptimizer) and the autograd adapter (train.py --model cnn)

@@ -63,8 +63,14 @@ def check_input(x: Any, k: int) -> None:
 
 
 def topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
-    """Positions of the ``min(k, x.size)`` entries of largest magnitude, ascending."""
+    """Positions of the ``min(k, x.size)`` entries of largest magnitude, ascending:
+    NumPy indices of a NumPy array, CuPy indices of a CuPy array (selected on
+    its device by ``device_select``, which needs numba-cuda)."""
     check_input(x, k)
+    if type(x).__module__.split(".")[0] == "cupy":
+        from .device_select import device_topk
+
+        return device_topk(x, k, method, **options)
     return make_selector(method, **options)(x, k)
 
 

@@ -97,9 +97,7 @@ class ThresholdWarm(Threshold):
 
     def __init__(self, margin: float = 0.9) -> None:
         super().__init__()
-        if not 0.0 < margin < 1.0:
-            raise ValueError(f"margin must lie in (0, 1), got {margin}")
-        self.margin = margin
+        self.margin = checked_margin(margin)
 
     def __call__(self, x: np.ndarray, k: int) -> np.ndarray:
         check_input(x, k)
@@ -110,11 +108,24 @@ class ThresholdWarm(Threshold):
         floor = int(np.array(previous * self.margin, dtype=x.dtype.newbyteorder("=")).view(layout.bits))
         result = select(x, k, [(floor, 2 * k)])
         self.threshold = key_to_value(result.key, x.dtype)
-        if result.key is not None and result.key < floor:
-            self.margin = self.margin**2
-        elif result.candidates > 3 * k // 2:
-            self.margin = self.margin**0.5
+        self.margin = adapted_margin(self.margin, result.key, floor, result.candidates, k)
         return result.positions
+
+
+def checked_margin(margin: float) -> float:
+    if not 0.0 < margin < 1.0:
+        raise ValueError(f"margin must lie in (0, 1), got {margin}")
+    return margin
+
+
+def adapted_margin(margin: float, kth_key: Optional[int], floor: int, admitted: int, k: int) -> float:
+    """The warm start's next margin: squared (wider) when the k-th key fell below
+    the floor, its square root (tighter) when the floor admitted more than 1.5k."""
+    if kth_key is not None and kth_key < floor:
+        return margin**2
+    if admitted > 3 * k // 2:
+        return margin**0.5
+    return margin
 
 
 register("threshold", Threshold, exact=True)

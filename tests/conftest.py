@@ -6,6 +6,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `import reference`
+# Device kernels run under Numba's CUDA simulator unless told otherwise (a GPU
+# machine sets NUMBA_ENABLE_CUDASIM=0); it must be set before numba is imported.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 import shutil

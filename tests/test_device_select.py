@@ -1,0 +1,121 @@
+"""Device top-k (spar_comm.kernels.device_select) under Numba's CUDA simulator:
+every kernel runs here, on NumPy arrays, and every method must return the
+CPU reference's positions (exact_topk) bit for bit: ties to the lowest
+positions, NaN above Inf above every number, exactly min(k, n) positions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+device_select = pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
+from spar_comm.kernels.selection import exact_topk  # noqa: E402
+
+METHODS = sorted(device_select.METHODS)
+TILE = device_select.TILE
+
+
+def check(x, k, method, **options):
+    got = device_select.device_topk(x, k, method, **options)
+    want = exact_topk(x, k)
+    assert got.dtype == np.int64 and got.tolist() == want.tolist(), (method, k, x.size)
+    return got
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_random_gradients_across_several_tiles(method, dtype):
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(3 * TILE + 17) * 1e-3).astype(dtype)
+    for k in (1, 5, 40):
+        check(x, k, method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ties_go_to_the_lowest_positions(method):
+    x = np.zeros(2 * TILE + 5, np.float32)
+    x[[3, TILE + 1, TILE + 9, 2 * TILE + 2]] = [2.0, -2.0, 2.0, -2.0]  # four tied at the top
+    x[[10, 20]] = [1.0, -1.0]
+    assert check(x, 3, method).tolist() == [3, TILE + 1, TILE + 9]
+    check(x, 5, method)  # the tie at 1.0 is split too
+    assert check(np.zeros(TILE, np.float32), 4, method).tolist() == [0, 1, 2, 3]  # all equal: the first k
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_ranks_above_inf_above_every_number(method):
+    x = np.linspace(-1, 1, TILE + 3).astype(np.float32)
+    x[[50, 7, TILE + 1]] = [np.inf, np.nan, -np.inf]
+    assert check(x, 1, method).tolist() == [7]
+    assert check(x, 3, method).tolist() == [7, 50, TILE + 1]
+    check(x, 6, method)
+    everything = np.full(TILE, np.nan, np.float32)
+    assert check(everything, 2, method).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_k_at_or_beyond_the_size_takes_everything(method):
+    x = np.arange(100, dtype=np.float32)
+    assert device_select.device_topk(x, 100, method).tolist() == list(range(100))
+    assert device_select.device_topk(x, 500, method).tolist() == list(range(100))
+    check(x, 99, method)
+
+
+def test_fewer_than_k_above_the_mean_is_still_exact():
+    """The published MSTopK fills such a k from below the mean regardless of
+    magnitude; ours falls back to an exact pick."""
+    x = np.full(4 * TILE, 1e-3, np.float32)
+    x[:5] = 10.0  # the mean lies above every other entry
+    x[TILE : 3 * TILE] = np.linspace(1e-4, 9e-4, 2 * TILE)
+    check(x, 20, "mstopk")
+    check(x, 3 * TILE, "mstopk")
+
+
+def test_the_warm_start_adapts_its_margin_and_stays_exact():
+    selector = device_select.ThresholdWarm(margin=0.9)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(2 * TILE).astype(np.float32)
+    margins = []
+    for scale in (1.0, 1.0, 0.2, 5.0):  # steady, then the threshold falls below the floor, then far above it
+        y = x * np.float32(scale)
+        assert selector(y, 30).tolist() == exact_topk(y, 30).tolist()
+        margins.append(selector.margin)
+    assert margins == pytest.approx([0.9, 0.9, 0.81, 0.9])  # widened, then loosened back
+    with pytest.raises(ValueError, match="margin"):
+        device_select.ThresholdWarm(margin=1.5)
+
+
+def test_bad_input_is_refused_with_a_message():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        device_select.device_topk(np.ones(4, np.float32), 0)
+    with pytest.raises(ValueError, match="unknown top-k method 'sort'"):
+        device_select.device_topk(np.ones(4, np.float32), 1, "sort")
+    with pytest.raises(TypeError, match="float16, float32 or float64"):
+        device_select.device_topk(np.ones(40, np.int32), 1, "exact")
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(2, 600), k=st.integers(1, 40), seed=st.integers(0, 2**16),
+       method=st.sampled_from(METHODS), levels=st.sampled_from([None, 3]))
+def test_matches_the_cpu_reference(n, k, seed, method, levels):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    if levels:  # few distinct magnitudes: ties everywhere
+        x = np.round(x * levels) / levels
+    check(x, min(k, n), method)
+
+
+def test_topk_of_a_cupy_array_selects_on_its_device():
+    """Runs where CuPy and a GPU are (NUMBA_ENABLE_CUDASIM=0); skipped elsewhere."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    from spar_comm.kernels import topk
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(1 << 20).astype(np.float32)
+    x[[5, 77]] = [np.nan, np.inf]
+    for method in METHODS:
+        got = topk(cupy.asarray(x), 1000, method)
+        assert isinstance(got, cupy.ndarray) and cupy.asnumpy(got).tolist() == exact_topk(x, 1000).tolist(), method
