@@ -34,6 +34,7 @@ block scans use shared memory only.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Tuple
 
@@ -41,6 +42,8 @@ import numpy as np
 from numba import config, cuda
 
 from .magnitude import SAMPLE, float_layout
+from .mstopk import checked_steps
+from .selection import check_input
 from .threshold import adapted_margin, checked_margin
 
 #: Threads per block, and consecutive elements each thread owns in a tile. The
@@ -53,9 +56,8 @@ COUNT_BLOCKS = 1024
 #: Radix select: bits per pass, and bins.
 RADIX_BITS = 8
 BINS = 1 << RADIX_BITS
-#: mstopk: thresholds counted per pass, and halving steps of the key bracket (the paper's N).
+#: mstopk: thresholds counted per pass (its halving steps are the CPU method's N).
 THRESHOLDS = 7
-STEPS = 30
 
 
 # -- keys ------------------------------------------------------------------------------
@@ -255,10 +257,12 @@ def namespace(x: Any):
 def launch(kernel, blocks: int, threads: int, *args) -> None:
     """Run ``kernel`` on CuPy's current stream when given CuPy arrays (under the
     simulator, arrays are NumPy and there are no streams)."""
-    xp = next((namespace(a) for a in args if hasattr(a, "shape")), np)
+    xp = namespace(args[0])
     if xp is np:
         kernel[blocks, threads](*args)
         return
+    if config.ENABLE_CUDASIM:
+        raise RuntimeError("CuPy arrays need a real GPU, but NUMBA_ENABLE_CUDASIM is set: unset it or set it to 0")
     stream = cuda.external_stream(xp.cuda.get_current_stream().ptr)
     kernel[blocks, threads, stream](*args)
 
@@ -342,9 +346,10 @@ def value_key(value: float, dtype: np.dtype) -> int:
     return int(cast.view(layout.bits))
 
 
-def mstopk(x: Any, k: int, steps: int = STEPS) -> Any:
+def mstopk(x: Any, k: int, N: int = 30) -> Any:
     """The paper's bisection of the threshold between the mean and the largest
-    magnitude, on the keys, ``THRESHOLDS`` per pass; then an exact pick from the band."""
+    magnitude, on the keys, ``THRESHOLDS`` per pass (N halving steps in all);
+    then an exact pick from the band."""
     keys = Keys(x)
     xp = keys.xp
     total = xp.zeros(1, dtype=np.float64)
@@ -359,7 +364,7 @@ def mstopk(x: Any, k: int, steps: int = STEPS) -> Any:
     search = xp.asarray(np.array([value_key(sum_finite / finite, x.dtype), int(keys.nan_key) + 1, -1],
                                  dtype=np.int64))
     floors = xp.empty(THRESHOLDS, dtype=np.int64)
-    for _ in range(math.ceil(steps / math.log2(THRESHOLDS + 1))):
+    for _ in range(math.ceil(N / math.log2(THRESHOLDS + 1))):
         launch(_spread_floors, 1, 1, search, floors)
         counts = xp.zeros(THRESHOLDS, dtype=np.int64)
         launch(_count_at_least, blocks, THREADS, keys.bits, keys.mask, keys.nan_key, floors, counts)
@@ -402,6 +407,9 @@ class Threshold:
         self.kth_key: Optional[int] = None
 
     def __call__(self, x: Any, k: int) -> Any:
+        check_input(x, k)
+        if k >= x.size:
+            return namespace(x).arange(x.size, dtype=np.int64)
         keys = Keys(x)
         positions, self.kth_key, _ = from_floor(keys, k, sample_floor(keys, k)[0])
         self.threshold = key_value(self.kth_key, x.dtype)
@@ -418,7 +426,7 @@ class ThresholdWarm(Threshold):
 
     def __call__(self, x: Any, k: int) -> Any:
         previous = self.threshold
-        if previous is None or not 0.0 < previous < math.inf:
+        if previous is None or not 0.0 < previous < math.inf or k >= x.size:
             return super().__call__(x, k)
         keys = Keys(x)
         floor = value_key(previous * self.margin, x.dtype)
@@ -437,7 +445,7 @@ def key_value(key: int, dtype: np.dtype) -> float:
 #: Method name -> factory of a device selector, as ``selection.register`` names them.
 METHODS = {
     "exact": lambda: exact,
-    "mstopk": lambda steps=STEPS: (lambda x, k: mstopk(x, k, steps)),
+    "mstopk": lambda N=30: functools.partial(mstopk, N=checked_steps(N)),
     "threshold": Threshold,
     "threshold_warm": ThresholdWarm,
 }
@@ -446,8 +454,6 @@ METHODS = {
 def device_topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
     """Positions of the ``min(k, n)`` entries of largest magnitude of a device
     array (NumPy under the simulator), ascending: the CPU contract."""
-    from .selection import check_input
-
     check_input(x, k)
     if method not in METHODS:
         raise ValueError(f"unknown top-k method {method!r}; known on the device: {', '.join(sorted(METHODS))}")

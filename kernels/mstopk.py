@@ -42,7 +42,7 @@ key array (one copy).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -119,13 +119,18 @@ def mstopk_select(x: np.ndarray, k: int, N: int = 30) -> tuple[np.ndarray, Optio
     return positions[chosen], kth
 
 
+def checked_steps(N: Any) -> int:
+    """The number of bisection steps, refused unless an integer >= 1."""
+    if isinstance(N, bool) or not isinstance(N, (int, np.integer)) or N < 1:
+        raise ValueError(f"N (bisection steps) must be an integer >= 1, got {N!r}")
+    return int(N)
+
+
 class MSTopK:
     """Selector for ``mstopk``; ``threshold`` holds the last smallest selected magnitude."""
 
     def __init__(self, N: int = 30) -> None:
-        if isinstance(N, bool) or not isinstance(N, (int, np.integer)) or N < 1:
-            raise ValueError(f"N (bisection steps) must be an integer >= 1, got {N!r}")
-        self.N = int(N)
+        self.N = checked_steps(N)
         self.threshold: Optional[float] = None
 
     def __call__(self, x: np.ndarray, k: int) -> np.ndarray:

@@ -249,12 +249,17 @@ def test_out_parameter_and_in_place(topology, algorithm):
         reducer.free()
 
 
-def test_a_binomial_broadcast_sends_size_minus_one_messages():
-    from spar_comm.collectives.channel import binomial_children
+def test_broadcast_bytes_follow_mpichs_two_schedules():
+    from spar_comm.collectives.channel import BCAST_SHORT, bcast_bytes, binomial_children
 
     # 0 sends to 1, 2, 4, 8; 2 to 3; 4 to 5, 6; 6 to 7; 8 to 9, 10, 12; 10 to 11; 12 to 13, 14; 14 to 15
-    assert [binomial_children(r, 0, 16) for r in range(16)] == [4, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0]
+    assert [len(binomial_children(r, 0, 16)) for r in range(16)] == [4, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0]
     for size in range(1, 40):
         for root in (0, size // 2, size - 1):
-            children = [binomial_children(r, root, size) for r in range(size)]
-            assert sum(children) == size - 1 and children[root] == (size - 1).bit_length()
+            short = [bcast_bytes(r, root, size, 100) for r in range(size)]
+            assert sum(short) == (size - 1) * 100 and short[root] == (size - 1).bit_length() * 100
+    # long, 8 ranks: the scatter sends 12 blocks of n/8 in all (the root 4 + 2 + 1), the ring 7 from every rank
+    n = 8 * BCAST_SHORT
+    assert bcast_bytes(0, 0, 8, n) == (7 + 7) * n // 8 and bcast_bytes(4, 0, 8, n) == (3 + 7) * n // 8
+    assert sum(bcast_bytes(r, 0, 8, n) for r in range(8)) == (12 + 8 * 7) * n // 8
+    assert bcast_bytes(0, 0, 7, n) == 3 * n  # fewer than 8 ranks: the tree

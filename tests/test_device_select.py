@@ -84,6 +84,17 @@ def test_the_warm_start_adapts_its_margin_and_stays_exact():
         device_select.ThresholdWarm(margin=1.5)
 
 
+def test_the_selector_objects_check_their_input_too():
+    x = np.arange(50, dtype=np.float32)
+    for selector in (device_select.Threshold(), device_select.ThresholdWarm()):
+        assert selector(x, 60).tolist() == list(range(50))  # k beyond the size: everything
+        with pytest.raises(ValueError, match="k must be >= 1"):
+            selector(x, 0)
+    with pytest.raises(ValueError, match="N \\(bisection steps\\) must be an integer >= 1"):
+        device_select.device_topk(x, 3, "mstopk", N=0)
+    assert device_select.device_topk(x, 3, "mstopk", N=6).tolist() == [47, 48, 49]
+
+
 def test_bad_input_is_refused_with_a_message():
     with pytest.raises(ValueError, match="k must be >= 1"):
         device_select.device_topk(np.ones(4, np.float32), 0)
@@ -106,6 +117,10 @@ def test_matches_the_cpu_reference(n, k, seed, method, levels):
 
 def test_topk_of_a_cupy_array_selects_on_its_device():
     """Runs where CuPy and a GPU are (NUMBA_ENABLE_CUDASIM=0); skipped elsewhere."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        pytest.skip("the CUDA simulator is on (NUMBA_ENABLE_CUDASIM=0 runs this on a GPU)")
     cupy = pytest.importorskip("cupy")
     try:
         cupy.cuda.runtime.getDeviceCount()

@@ -7,8 +7,9 @@ Bytes are what this rank sends under the ring model:
 * Allgather of b bytes per rank: (p-1)*b;
 * Reduce_scatter or Allgather of a whole n-byte vector: (p-1)/p*n;
 * Allreduce of n bytes: 2(p-1)/p*n;
-* Bcast: n to each of the rank's children in a binomial tree (p-1 sends in
-  all); Reduce: n from every rank but the root;
+* Bcast: as MPICH sends it (``bcast_bytes``): n to each child of a binomial
+  tree, or a scatter and a ring allgather of n/p blocks for long messages;
+  Reduce: n from every rank but the root;
 * Send: the message.
 
 The links of an emulated cluster (``bench_comm.py --link-counters``) agree
@@ -25,13 +26,33 @@ import numpy as np
 from mpi4py import MPI
 
 
-def binomial_children(rank: int, root: int, size: int) -> int:
-    """How many ranks ``rank`` forwards a broadcast from ``root`` to in a binomial
-    tree (the rank ``2**j`` places above it, for every ``2**j`` below its lowest
-    set bit): ``size - 1`` sends in all, as the links count them."""
+#: MPICH's Bcast: a binomial tree below this many bytes or ranks
+#: (BCAST_SHORT_MSG_SIZE, BCAST_MIN_PROCS), else scatter + ring allgather.
+BCAST_SHORT = 12288
+BCAST_MIN_PROCS = 8
+
+
+def binomial_children(rank: int, root: int, size: int) -> List[int]:
+    """The relative ranks ``rank`` forwards a broadcast from ``root`` to in a
+    binomial tree: the one ``2**j`` places above it for every ``2**j`` below its
+    lowest set bit (``size - 1`` sends in all)."""
     relative = (rank - root) % size
     lowest = relative & -relative if relative else 1 << size.bit_length()
-    return sum(1 for j in range(size.bit_length()) if (1 << j) < lowest and relative + (1 << j) < size)
+    return [relative + (1 << j) for j in range(size.bit_length())
+            if (1 << j) < lowest and relative + (1 << j) < size]
+
+
+def bcast_bytes(rank: int, root: int, size: int, nbytes: int) -> int:
+    """What ``rank`` sends in MPICH's broadcast of ``nbytes``: the whole message to
+    each child of the binomial tree, or, for long messages on many ranks, each
+    child's subtree of ``nbytes/size`` blocks in the scatter and ``size - 1``
+    blocks in the ring allgather."""
+    children = binomial_children(rank, root, size)
+    if nbytes < BCAST_SHORT or size < BCAST_MIN_PROCS:
+        return len(children) * nbytes
+    relative = (rank - root) % size
+    subtrees = sum(min(child - relative, size - child) for child in children)
+    return (subtrees + size - 1) * nbytes // size
 
 
 def displacements(counts: Sequence[int]) -> List[int]:
@@ -82,7 +103,7 @@ class Channel:
     def bcast(self, buf: np.ndarray, root: int = 0) -> None:
         start = time.perf_counter()
         self.comm.Bcast(buf, root=root)
-        self.book(start, binomial_children(self.rank, root, self.size) * buf.nbytes)
+        self.book(start, bcast_bytes(self.rank, root, self.size, buf.nbytes))
 
     def reduce(self, send: np.ndarray, recv: np.ndarray, root: int = 0) -> None:
         start = time.perf_counter()

@@ -33,10 +33,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from ..collectives.channel import BCAST_MIN_PROCS, BCAST_SHORT
+
 ALLREDUCE_SHORT = 2048
 ALLGATHER_LONG = 524288
-BCAST_SHORT = 12288
-BCAST_MIN_PROCS = 8
 REDUCE_SHORT = 2048
 
 
@@ -93,10 +93,11 @@ def _butterfly(terms: Terms, span: Span, sizes, distances, reduce: bool) -> None
 
 
 def _binomial(terms: Terms, span: Span, sizes, reduce: bool) -> None:
-    """A binomial tree; in a step across nodes one rank of a node sends (step i
-    of the tree has 2**i senders, counted as if spreading from the root)."""
+    """A binomial tree; in a step across nodes one rank of a node sends (the
+    step at distance 2**i has a sender for every 2**(i+1) ranks)."""
     for i, nbytes in enumerate(sizes):
-        message(terms, span, nbytes, span.crosses(2**i), span.concurrent, 2**i * span.concurrent)
+        senders = -(-span.size // 2 ** (i + 1)) * span.concurrent
+        message(terms, span, nbytes, span.crosses(2**i), span.concurrent, senders)
         if reduce:
             terms["gamma"] += nbytes
 
