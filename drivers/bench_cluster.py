@@ -383,7 +383,8 @@ def read_sweep(path: str) -> dict:
     for i, r in enumerate(document["records"]):
         if (r["algorithm"] not in ALGORITHMS or r["selector"] not in SELECTORS
                 or not emucluster.RATE.match(r["rate"]) or min(r["hosts"], r["ranks_per_host"], r["size"]) < 1
-                or not 0 < r["density"] <= 1 or not r["time_median"] > 0):
+                or not 0 < r["density"] <= 1 or not r["time_median"] > 0
+                or not (r.get("cores") is None or type(r["cores"]) is int and r["cores"] >= 1)):
             raise BadFileError(path, f"records[{i}] is not a cell this program measures: {r}")
     return document
 
