@@ -24,7 +24,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank, as tr
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -41,6 +40,7 @@ from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_comm import unwritable, write_json  # noqa: E402
 from train import config_from, make_parser  # noqa: E402
 
 #: The aids switched off: what "aids off" changes of a TrainConfig.
@@ -67,9 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def base_config(workload: str) -> TrainConfig:
     """train.py's config for ``workload``, without a trace or a progress bar.
     A bad flag is a usage message and exit status 2 on every rank."""
-    args = make_parser().parse_args([*shlex.split(workload), "--trace", "", "--no-progress"])
+    flags = shlex.split(workload)
+    args = make_parser().parse_args([*flags, "--trace", "", "--no-progress"])
     for owned in ("algorithm", "density", "seed"):
-        if any(flag == f"--{owned}" or flag.startswith(f"--{owned}=") for flag in shlex.split(workload)):
+        if any(flag == f"--{owned}" or flag.startswith(f"--{owned}=") for flag in flags):
             raise ConfigError(f"--workload sets --{owned}, which this program chooses per cell")
     config = config_from(args)
     problems = config.problems()
@@ -115,8 +116,7 @@ def main() -> int:
     args = parse_args()
     comm = MPI.COMM_WORLD
     lead = comm.rank == 0
-    raise_if_any(comm, f"cannot write --out {args.out}" if lead and args.out and not os.access(
-        os.path.dirname(os.path.abspath(args.out)), os.W_OK) else None)
+    raise_if_any(comm, unwritable(args.out) if lead and args.out else None)
     base = base_config(args.workload)
     document = {"meta": {**vars(args), "world_size": comm.size, "config": dataclasses.asdict(base)}, "runs": []}
     plan = cells(args)
@@ -125,9 +125,7 @@ def main() -> int:
             print(f"# {number}/{len(plan)}: {cell['cell']}, seed {cell['seed']}", flush=True)
         document["runs"].append(run_cell(base, cell, comm))
         if lead and args.out:
-            temporary = args.out + ".tmp"
-            Path(temporary).write_text(json.dumps(document, indent=1))
-            os.replace(temporary, args.out)
+            write_json(args.out, document)
     if lead:
         print(f"final held-out metric after {document['runs'][0]['steps']} steps on {comm.size} ranks "
               f"({args.workload or 'train.py defaults'}); aids on: train.py's defaults")

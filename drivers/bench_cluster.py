@@ -260,17 +260,21 @@ def held_out_rule(document: dict):
     return lambda r: r["size"] > smallest
 
 
+def shaped_rates(records: list) -> list:
+    """The link rates of the records, slowest first, unshaped links left out."""
+    return sorted({r["rate"] for r in records if r["rate"] != emucluster.UNSHAPED}, key=emucluster.rate_bits_per_second)
+
+
 def fitted_models(records: list, held_out) -> dict:
     """Per shaped link rate, the cost model fitted on the cells ``held_out`` rejects."""
-    rates = sorted({r["rate"] for r in records if r["rate"] != emucluster.UNSHAPED}, key=emucluster.rate_bits_per_second)
     return {rate: costmodel.fit([measurement(r) for r in records if r["rate"] == rate and not held_out(r)])
-            for rate in rates}
+            for rate in shaped_rates(records)}
 
 
-def model_check(records: list, held_out) -> list:
-    """The cost model against the held-out cells, fitted per link rate on the others."""
+def model_check(records: list, held_out, models: dict) -> list:
+    """The cost model against the held-out cells (``models``: per rate, fitted on the others)."""
     checked = []
-    for rate, machine in fitted_models(records, held_out).items():
+    for rate, machine in models.items():
         for r in records:
             if r["rate"] == rate and held_out(r):
                 predicted = machine.seconds(measurement(r).terms())
@@ -304,7 +308,7 @@ def contention_table(records: list) -> str:
     not the links'."""
     unshaped = {(r["layout"], r["size"], r["density"], r["algorithm"]): r["time_median"]
                 for r in records if r["rate"] == emucluster.UNSHAPED}
-    rates = sorted({r["rate"] for r in records if r["rate"] != emucluster.UNSHAPED}, key=emucluster.rate_bits_per_second)
+    rates = shaped_rates(records)
     lines = [f"{'layout':>6} {'size':>9} {'algorithm':<14} {'unshaped':>9} " + " ".join(f"{rate:>9}" for rate in rates)
              + "   (unshaped ms, and as a share of the time at each rate)"]
     for key, seconds in unshaped.items():
@@ -334,32 +338,32 @@ def bytes_table(records: list) -> str:
     return "\n".join(lines)
 
 
-def plot_nodes(document: dict, path: str) -> None:
+def plot_nodes(records: list, models: dict, path: str) -> None:
     """Time per call against the node count, one panel per link rate and ranks
-    per host at the largest size: measured points, and the model fitted on the
-    cells of at most FIT_HOSTS hosts as lines (dashed where it extrapolates)."""
+    per host at the largest size: measured points, and ``models`` (per rate,
+    fitted on the cells of at most FIT_HOSTS hosts) as lines, dashed where
+    they extrapolate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = document["records"]
     size = max(r["size"] for r in records)
-    models = fitted_models(records, held_out_rule(document))
-    rates = sorted({r["rate"] for r in records if r["rate"] in models}, key=emucluster.rate_bits_per_second)
+    rates = list(models)
     per_host = sorted({r["ranks_per_host"] for r in records})
     fig, grid = plt.subplots(len(per_host), len(rates), figsize=(5 * len(rates), 3.6 * len(per_host)),
                              squeeze=False, sharey=True)
     for axes, (ranks, rate) in zip(grid.flat, itertools.product(per_host, rates)):
         for number, algorithm in enumerate(ALGORITHMS):
-            cells = sorted((r["hosts"], r["time_median"], r) for r in records
-                           if (r["rate"], r["ranks_per_host"], r["size"], r["algorithm"]) == (rate, ranks, size, algorithm))
+            cells = sorted((r for r in records
+                            if (r["rate"], r["ranks_per_host"], r["size"], r["algorithm"]) == (rate, ranks, size, algorithm)),
+                           key=lambda r: r["hosts"])
             if not cells:
                 continue
             color = f"C{number}"
-            axes.plot([c[0] for c in cells], [1e3 * c[1] for c in cells], "o", color=color, label=algorithm)
-            hosts = [c[0] for c in cells]
-            predicted = [1e3 * models[rate].seconds(measurement(c[2]).terms()) for c in cells]
+            hosts = [r["hosts"] for r in cells]
+            axes.plot(hosts, [1e3 * r["time_median"] for r in cells], "o", color=color, label=algorithm)
+            predicted = [1e3 * models[rate].seconds(measurement(r).terms()) for r in cells]
             fitted = [h for h in hosts if h <= FIT_HOSTS]
             axes.plot(hosts[:len(fitted)], predicted[:len(fitted)], "-", color=color, linewidth=1)
             axes.plot(hosts[len(fitted) - 1:], predicted[len(fitted) - 1:], "--", color=color, linewidth=1)
@@ -397,15 +401,17 @@ def report(document: dict, plot: Optional[str] = None) -> None:
     if records:
         print(table(records))
         held_out = held_out_rule(document)
-        if any(map(held_out, records)):
-            document["model_check"] = model_check(records, held_out)
+        checks = any(map(held_out, records))
+        models = fitted_models(records, held_out) if checks or plot else {}
+        if checks:
+            document["model_check"] = model_check(records, held_out, models)
             print(model_table(document["model_check"]))
         if any(r["rate"] == emucluster.UNSHAPED for r in records):
             print(contention_table(records))
         if any("link_bytes" in r for r in records):
             print(bytes_table(records))
         if plot:
-            plot_nodes(document, plot)
+            plot_nodes(records, models, plot)
             print(f"plot: {plot}")
     if document.get("time_to_accuracy"):
         runs = document["time_to_accuracy"]

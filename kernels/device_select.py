@@ -43,8 +43,8 @@ from numba import config, cuda
 
 from .magnitude import SAMPLE, float_layout
 from .mstopk import checked_steps
-from .selection import check_input
-from .threshold import adapted_margin, checked_margin
+from .selection import check_input, is_cupy
+from .threshold import adapted_margin, checked_margin, key_to_value
 
 #: Threads per block, and consecutive elements each thread owns in a tile. The
 #: simulator runs each thread as a Python thread: fewer there, same logic.
@@ -70,19 +70,19 @@ def _key(bits, i, mask, nan_key):  # pragma: no cover - compiled
 # -- counting passes ------------------------------------------------------------------
 @cuda.jit
 def _histogram(bits, mask, nan_key, state, shift, hist):  # pragma: no cover - compiled
-    """Count, per byte at ``shift``, the keys in ``[state[3], state[4])`` that
-    share the prefix ``state[0]`` under ``state[1]``."""
+    """Count, per byte at ``shift``, the keys that share the prefix ``state[0]``
+    under ``state[1]``."""
     local = cuda.shared.array(BINS, dtype=np.int64)
     t = cuda.threadIdx.x
     for b in range(t, BINS, cuda.blockDim.x):
         local[b] = 0
     cuda.syncthreads()
-    prefix, prefix_mask, low, high = state[0], state[1], state[3], state[4]
+    prefix, prefix_mask = state[0], state[1]
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for i in range(start, bits.size, stride):
         key = _key(bits, i, mask, nan_key)
-        if (key & prefix_mask) == prefix and low <= key and key < high:
+        if (key & prefix_mask) == prefix:
             cuda.atomic.add(local, (key >> shift) & (BINS - 1), 1)
     cuda.syncthreads()
     for b in range(t, BINS, cuda.blockDim.x):
@@ -108,34 +108,28 @@ def _choose_byte(hist, state, shift):  # pragma: no cover - compiled
 
 
 @cuda.jit
-def _finite_stats(x, bits, mask, inf_key, total, extremes):  # pragma: no cover - compiled
-    """Sum of the finite magnitudes (``total[0]``), their largest key
-    (``extremes[0]``) and how many are finite (``extremes[1]``), in one read."""
+def _finite_stats(x, bits, mask, inf_key, total, finite):  # pragma: no cover - compiled
+    """Sum of the finite magnitudes (``total[0]``) and how many are finite
+    (``finite[0]``), in one read."""
     block_total = cuda.shared.array(1, dtype=np.float64)
-    block_extremes = cuda.shared.array(2, dtype=np.int64)
+    block_finite = cuda.shared.array(1, dtype=np.int64)
     t = cuda.threadIdx.x
     if t == 0:
         block_total[0] = 0.0
-        block_extremes[0] = 0
-        block_extremes[1] = 0
+        block_finite[0] = 0
     cuda.syncthreads()
     mine = 0.0
-    top = np.int64(0)
-    finite = np.int64(0)
+    count = np.int64(0)
     for i in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
-        key = np.int64(bits[i]) & mask
-        if key < inf_key:
+        if (np.int64(bits[i]) & mask) < inf_key:
             mine += abs(np.float64(x[i]))
-            top = max(top, key)
-            finite += 1
+            count += 1
     cuda.atomic.add(block_total, 0, mine)
-    cuda.atomic.max(block_extremes, 0, top)
-    cuda.atomic.add(block_extremes, 1, finite)
+    cuda.atomic.add(block_finite, 0, count)
     cuda.syncthreads()
     if t == 0:
         cuda.atomic.add(total, 0, block_total[0])
-        cuda.atomic.max(extremes, 0, block_extremes[0])
-        cuda.atomic.add(extremes, 1, block_extremes[1])
+        cuda.atomic.add(finite, 0, block_finite[0])
 
 
 @cuda.jit
@@ -170,15 +164,14 @@ def _count_at_least(bits, mask, nan_key, floors, counts):  # pragma: no cover - 
 
 @cuda.jit
 def _bisect(floors, counts, k, search):  # pragma: no cover - compiled
-    """One thread: narrow the bracket ``search = [lo, hi, count at lo]`` of key
-    floors with this pass's counts: ``lo`` becomes the highest floor that
-    keeps more than k keys, ``hi`` the lowest that keeps at most k."""
+    """One thread: narrow the bracket ``search = [lo, hi]`` of key floors with
+    this pass's counts: ``lo`` becomes the highest floor that keeps more than
+    k keys, ``hi`` the lowest that keeps at most k."""
     if cuda.grid(1) != 0:
         return
     for j in range(THRESHOLDS):
         if counts[j] > k:
             search[0] = floors[j]
-            search[2] = counts[j]
     for j in range(THRESHOLDS - 1, -1, -1):
         if counts[j] <= k:
             search[1] = floors[j]
@@ -247,7 +240,7 @@ def _write_tiles(bits, mask, nan_key, cut, ties, offsets, positions):  # pragma:
 # -- launching --------------------------------------------------------------------------
 def namespace(x: Any):
     """CuPy for a CuPy array, NumPy otherwise (the simulator's arrays)."""
-    if type(x).__module__.split(".")[0] == "cupy":
+    if is_cupy(x):
         import cupy
 
         return cupy
@@ -275,10 +268,9 @@ class Keys:
         if layout is None:
             raise TypeError(f"device top-k needs float16, float32 or float64, got {x.dtype}")
         self.xp = namespace(x)
-        self.x = x
         self.bits = x.view(layout.bits)
         self.mask = np.int64(layout.mask)
-        self.inf_key = int(layout.inf_key)
+        self.inf_key = np.int64(layout.inf_key)
         self.nan_key = np.int64(layout.inf_key + 1)
         self.width = np.dtype(layout.bits).itemsize * 8
         self.n = x.size
@@ -302,11 +294,15 @@ class Keys:
                offsets, positions)
         return positions
 
+    def keys_of(self, bits: Any) -> Any:
+        """The keys of some of the bits (a gather or a sample), as the kernels' ``_key``."""
+        return self.xp.minimum(bits.astype(np.int64) & int(self.mask), int(self.nan_key))
+
     def pick(self, positions: Any, k: int) -> Tuple[Any, int]:
         """The contract set among candidate ``positions`` (ascending, holding the top
         k), and the k-th largest key: an exact pick on the small candidate set."""
         xp = self.xp
-        keys = xp.minimum(self.bits[positions].astype(np.int64) & int(self.mask), int(self.nan_key))
+        keys = self.keys_of(self.bits[positions])
         kth = int(xp.sort(keys)[keys.size - k])
         above = keys > kth
         ties = xp.flatnonzero(keys == kth)[: k - int(xp.count_nonzero(above))]
@@ -315,18 +311,17 @@ class Keys:
 
 
 # -- the methods ------------------------------------------------------------------------
-def radix_select(keys: Keys, k: int, low: int = 0, high: Optional[int] = None) -> Tuple[int, int]:
-    """The k-th largest key among keys in ``[low, high)``, and how many keys equal
-    to it belong to the top k (the rest of the top k lies above it)."""
+def radix_select(keys: Keys, k: int) -> Tuple[int, int]:
+    """The k-th largest key, and how many keys equal to it belong to the top k
+    (the rest of the top k lies above it)."""
     xp = keys.xp
-    high = int(keys.nan_key) + 1 if high is None else high
-    state = xp.asarray(np.array([0, 0, k, low, high], dtype=np.int64))
+    state = xp.asarray(np.array([0, 0, k], dtype=np.int64))  # prefix, its mask, still wanted
     blocks = keys.count_blocks()
     for shift in range(keys.width - RADIX_BITS, -1, -RADIX_BITS):
         hist = xp.zeros(BINS, dtype=np.int64)
         launch(_histogram, blocks, THREADS, keys.bits, keys.mask, keys.nan_key, state, np.int64(shift), hist)
         launch(_choose_byte, 1, 1, hist, state, np.int64(shift))
-    kth, _, ties, _, _ = state.tolist()
+    kth, _, ties = state.tolist()
     return int(kth), int(ties)
 
 
@@ -353,16 +348,15 @@ def mstopk(x: Any, k: int, N: int = 30) -> Any:
     keys = Keys(x)
     xp = keys.xp
     total = xp.zeros(1, dtype=np.float64)
-    extremes = xp.zeros(2, dtype=np.int64)
+    count = xp.zeros(1, dtype=np.int64)
     blocks = keys.count_blocks()
-    launch(_finite_stats, blocks, THREADS, x, keys.bits, keys.mask, np.int64(keys.inf_key), total, extremes)
-    (sum_finite,), (top, finite) = total.tolist(), extremes.tolist()  # one round trip per call
+    launch(_finite_stats, blocks, THREADS, x, keys.bits, keys.mask, keys.inf_key, total, count)
+    (sum_finite,), (finite,) = total.tolist(), count.tolist()  # one round trip per call
     if finite == 0:
         return from_floor(keys, k, 0)[0]
     # The bracket starts at the mean's key and ends above every key (NaN and Inf
     # included): with no finite entry above the top, the first pass finds the top.
-    search = xp.asarray(np.array([value_key(sum_finite / finite, x.dtype), int(keys.nan_key) + 1, -1],
-                                 dtype=np.int64))
+    search = xp.asarray(np.array([value_key(sum_finite / finite, x.dtype), int(keys.nan_key) + 1], dtype=np.int64))
     floors = xp.empty(THRESHOLDS, dtype=np.int64)
     for _ in range(math.ceil(N / math.log2(THRESHOLDS + 1))):
         launch(_spread_floors, 1, 1, search, floors)
@@ -372,19 +366,14 @@ def mstopk(x: Any, k: int, N: int = 30) -> Any:
     return from_floor(keys, k, int(search[0]))[0]
 
 
-def sample_floor(keys: Keys, k: int) -> Tuple[int, int]:
+def sample_floor(keys: Keys, k: int) -> int:
     """A key floor read off a strided sample, with at least k keys above it with
-    high confidence (expected count plus four standard deviations), and the
-    number of entries it should admit."""
-    xp = keys.xp
-    step = max(1, keys.n // SAMPLE)
-    sample = xp.minimum(keys.bits[::step].astype(np.int64) & int(keys.mask), int(keys.nan_key))
+    high confidence (expected count plus four standard deviations)."""
+    sample = keys.keys_of(keys.bits[:: max(1, keys.n // SAMPLE)])
     m = sample.size
     expected = k * m / keys.n
     rank = int(expected + 4.0 * math.sqrt(expected)) + 4
-    if rank >= m:
-        return 0, keys.n
-    return int(xp.sort(sample)[m - rank]), rank * keys.n // m
+    return 0 if rank >= m else int(keys.xp.sort(sample)[m - rank])
 
 
 def from_floor(keys: Keys, k: int, floor: int) -> Tuple[Any, int, int]:
@@ -411,8 +400,8 @@ class Threshold:
         if k >= x.size:
             return namespace(x).arange(x.size, dtype=np.int64)
         keys = Keys(x)
-        positions, self.kth_key, _ = from_floor(keys, k, sample_floor(keys, k)[0])
-        self.threshold = key_value(self.kth_key, x.dtype)
+        positions, self.kth_key, _ = from_floor(keys, k, sample_floor(keys, k))
+        self.threshold = key_to_value(self.kth_key, x.dtype)
         return positions
 
 
@@ -431,15 +420,9 @@ class ThresholdWarm(Threshold):
         keys = Keys(x)
         floor = value_key(previous * self.margin, x.dtype)
         positions, self.kth_key, admitted = from_floor(keys, k, floor)
-        self.threshold = key_value(self.kth_key, x.dtype)
+        self.threshold = key_to_value(self.kth_key, x.dtype)
         self.margin = adapted_margin(self.margin, self.kth_key, floor, admitted, k)
         return positions
-
-
-def key_value(key: int, dtype: np.dtype) -> float:
-    """The magnitude a key stands for (NaN for the NaN key)."""
-    layout = float_layout(dtype)
-    return float(np.array(key, dtype=layout.bits).view(dtype))
 
 
 #: Method name -> factory of a device selector, as ``selection.register`` names them.

@@ -62,12 +62,17 @@ def check_input(x: Any, k: int) -> None:
         raise TypeError(f"top-k needs a real numeric array, got dtype {x.dtype}")
 
 
+def is_cupy(x: Any) -> bool:
+    """Whether ``x`` is a CuPy array (told without importing CuPy)."""
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
 def topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
     """Positions of the ``min(k, x.size)`` entries of largest magnitude, ascending:
     NumPy indices of a NumPy array, CuPy indices of a CuPy array (selected on
     its device by ``device_select``, which needs numba-cuda)."""
     check_input(x, k)
-    if type(x).__module__.split(".")[0] == "cupy":
+    if is_cupy(x):
         from .device_select import device_topk
 
         return device_topk(x, k, method, **options)

@@ -35,7 +35,7 @@ STATE_ROOT = Path(os.environ.get("SPAR_COMM_EMU_STATE", "/run/spar_comm_emuclust
 #: A tc rate, or "unshaped": no rate limit, so what is left of a call's time
 #: is the CPU's (how bench_cluster.py measures contention between the ranks).
 UNSHAPED = "unshaped"
-RATE = re.compile(r"^(\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)|unshaped)$")
+RATE = re.compile(rf"^(\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)|{UNSHAPED})$")
 DELAY = re.compile(r"^\d+(\.\d+)?(s|ms|us)$")
 # MPICH: TCP between hosts over the shaped links, shared memory inside a host.
 MPI_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE}

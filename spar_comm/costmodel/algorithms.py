@@ -74,8 +74,7 @@ def gtopk(x: Shape) -> Terms:
     k = selection_size(x.density, x.n)
     terms = Terms(gamma=2 * x.nbytes) + x.select(x.n)  # residual add, zero fill of the output
     for i in range(x.world.steps):  # the root's path up the binomial tree: receive and merge
-        senders = -(-x.p // 2 ** (i + 1))  # the children at distance 2**i send at once
-        mpi.message(terms, x.world, x.pairs(k), x.world.crosses(2**i), senders=senders)
+        mpi.message(terms, x.world, x.pairs(k), x.world.crosses(2**i), senders=mpi.tree_senders(x.p, i))
         terms["gamma"] += 2 * x.pairs(k)
     return terms + mpi.bcast(x.world, x.pairs(k))
 

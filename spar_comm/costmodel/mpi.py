@@ -92,12 +92,16 @@ def _butterfly(terms: Terms, span: Span, sizes, distances, reduce: bool) -> None
             terms["gamma"] += nbytes
 
 
+def tree_senders(size: int, step: int) -> int:
+    """Ranks sending in step ``step`` of a binomial tree over ``size`` ranks (the
+    partners 2**step apart): one for every 2**(step+1) ranks."""
+    return -(-size // 2 ** (step + 1))
+
+
 def _binomial(terms: Terms, span: Span, sizes, reduce: bool) -> None:
-    """A binomial tree; in a step across nodes one rank of a node sends (the
-    step at distance 2**i has a sender for every 2**(i+1) ranks)."""
+    """A binomial tree; in a step across nodes one rank of a node sends."""
     for i, nbytes in enumerate(sizes):
-        senders = -(-span.size // 2 ** (i + 1)) * span.concurrent
-        message(terms, span, nbytes, span.crosses(2**i), span.concurrent, senders)
+        message(terms, span, nbytes, span.crosses(2**i), span.concurrent, tree_senders(span.size, i) * span.concurrent)
         if reduce:
             terms["gamma"] += nbytes
 
