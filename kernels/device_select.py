@@ -46,13 +46,14 @@ from .mstopk import checked_steps
 from .selection import check_input, is_cupy
 from .threshold import adapted_margin, checked_margin, key_to_value
 
-#: Threads per block, and consecutive elements each thread owns in a tile. The
-#: simulator runs each thread as a Python thread: fewer there, same logic.
-THREADS = 32 if config.ENABLE_CUDASIM else 128
-ITEMS = 4 if config.ENABLE_CUDASIM else 8
+#: Threads per block, consecutive elements each thread owns in a tile, and
+#: blocks of the grid-stride counting kernels (enough to fill a GPU). The
+#: simulator runs each thread as a Python thread, whose start and barriers
+#: cost more than its work: far fewer threads there, the same logic.
+THREADS = 8 if config.ENABLE_CUDASIM else 128
+ITEMS = 64 if config.ENABLE_CUDASIM else 8
 TILE = THREADS * ITEMS
-#: Blocks of the grid-stride counting kernels (enough to fill a GPU).
-COUNT_BLOCKS = 1024
+COUNT_BLOCKS = 2 if config.ENABLE_CUDASIM else 1024
 #: Radix select: bits per pass, and bins.
 RADIX_BITS = 8
 BINS = 1 << RADIX_BITS
