@@ -43,7 +43,7 @@ from numba import config, cuda
 
 from .magnitude import SAMPLE, float_layout
 from .mstopk import checked_steps
-from .selection import check_input, is_cupy
+from .selection import check_input, namespace
 from .threshold import adapted_margin, checked_margin, key_to_value
 
 #: Threads per block, consecutive elements each thread owns in a tile, and
@@ -239,15 +239,6 @@ def _write_tiles(bits, mask, nan_key, cut, ties, offsets, positions):  # pragma:
 
 
 # -- launching --------------------------------------------------------------------------
-def namespace(x: Any):
-    """CuPy for a CuPy array, NumPy otherwise (the simulator's arrays)."""
-    if is_cupy(x):
-        import cupy
-
-        return cupy
-    return np
-
-
 def launch(kernel, blocks: int, threads: int, *args) -> None:
     """Run ``kernel`` on CuPy's current stream when given CuPy arrays (under the
     simulator, arrays are NumPy and there are no streams)."""

@@ -67,6 +67,15 @@ def is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+def namespace(x: Any) -> Any:
+    """The array module of ``x``: CuPy for a CuPy array, NumPy otherwise."""
+    if is_cupy(x):
+        import cupy
+
+        return cupy
+    return np
+
+
 def topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
     """Positions of the ``min(k, x.size)`` entries of largest magnitude, ascending:
     NumPy indices of a NumPy array, CuPy indices of a CuPy array (selected on

@@ -10,6 +10,7 @@ answer (a site whose MPI answers wrongly, or a test). Every rank must agree,
 so the job uses device buffers only when all of its ranks can.
 
 One GPU per rank: the node-local rank picks ``local_rank % device_count``.
+``open_memory`` makes that choice for a topology, collectively.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from mpi4py import MPI
 
 from .consensus import raise_if_any
 from .errors import ConfigError
+from .memory import DEVICES, HOST, GpuMemory, HostMemory, SimulatedGpuMemory
 
 ENV_CUDA_AWARE = "SPAR_COMM_CUDA_AWARE"
 #: MPICH's mpi.h: ``#define MPIX_GPU_SUPPORT_CUDA (0)``.
@@ -87,3 +89,45 @@ def device_index(local_rank: int, device_count: int) -> int:
     if device_count < 1:
         raise ConfigError("no CUDA device is visible to this rank")
     return local_rank % device_count
+
+
+def _local_gpu(device: str, local_rank: int) -> int:
+    """This rank's GPU for ``device`` ("gpu": CuPy's, "gpu-simulator": 0), or
+    ConfigError naming what is missing."""
+    if device == "gpu-simulator":
+        try:
+            from numba import config
+            from .kernels import device_select  # noqa: F401  (needs numba-cuda)
+        except ImportError as error:
+            raise ConfigError(f"numba-cuda is not installed ({error})") from None
+        if not config.ENABLE_CUDASIM:
+            raise ConfigError("it needs NUMBA_ENABLE_CUDASIM=1 in the environment at start")
+        return 0
+    try:
+        import cupy
+    except ImportError:
+        raise ConfigError("CuPy is not installed (pip install 'spar_comm[gpu]')") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # CUDARuntimeError when no driver or no device
+        raise ConfigError(f"no CUDA device is visible to this rank ({error})") from None
+    return device_index(local_rank, count)
+
+
+def open_memory(device: str, comm: MPI.Comm, local_rank: int) -> HostMemory:
+    """The memory a rank's allreducers work in: host memory for ``cpu``, GPU
+    ``local_rank % device_count`` for ``gpu``. Collective: a rank without a
+    GPU (or CuPy) raises ConfigError on every rank, and every rank agrees on
+    whether MPI is CUDA-aware."""
+    problem = None if device in DEVICES else f"device must be one of {', '.join(DEVICES)}, got {device!r}"
+    index = 0
+    if problem is None and device != "cpu":
+        try:
+            index = _local_gpu(device, local_rank)
+        except ConfigError as error:
+            problem = f"--device {device}: {error}"
+    raise_if_any(comm, problem)
+    if device == "cpu":
+        return HOST
+    aware = cuda_aware(comm)
+    return GpuMemory(index, aware) if device == "gpu" else SimulatedGpuMemory(aware)

@@ -7,6 +7,9 @@ hierarchical algorithms then cut the vector into ``G`` shards, ``G`` the size
 of the largest node, and on a smaller node each rank owns a contiguous run of
 shards. The ranks that own shard ``j`` on every node form ``rails[j]``; with
 equal nodes that is exactly ``rail``, the ranks with my local rank.
+
+A topology also fixes where the rank's arrays live (``memory``): host memory,
+or under ``device="gpu"`` the GPU ``local_rank % device_count`` of its node.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from typing import Dict, List, Optional, Tuple
 from mpi4py import MPI
 
 from .consensus import raise_if_any, require_same
+from .device import open_memory
+from .memory import HostMemory
 
 ENV_RANKS_PER_NODE = "SPAR_COMM_RANKS_PER_NODE"
 
@@ -57,11 +62,11 @@ class Topology:
     traffic never matches messages of the calling program.
     """
 
-    def __init__(self, comm: Optional[MPI.Comm] = None, ranks_per_node: Optional[int] = None):
+    def __init__(self, comm: Optional[MPI.Comm] = None, ranks_per_node: Optional[int] = None, device: str = "cpu"):
         comm = MPI.COMM_WORLD if comm is None else comm
         emulated, problem = _ranks_per_node(ranks_per_node)
         raise_if_any(comm, problem)
-        require_same(comm, "topology", {"ranks_per_node": emulated})
+        require_same(comm, "topology", {"ranks_per_node": emulated, "device": device})
 
         self.world: MPI.Comm = comm.Dup()
         rank = self.world.rank
@@ -73,6 +78,8 @@ class Topology:
         self.local_shares_memory: bool = emulated is None or self._local_within_shared_memory()
         self.local_rank: int = self.local.rank
         self.local_size: int = self.local.size
+        #: Where the rank's arrays live; ``memory.index`` is its GPU.
+        self.memory: HostMemory = open_memory(device, self.world, self.local_rank)
 
         # Number nodes by their lowest world rank, the same order on every rank.
         first = self.local.allreduce(rank, op=MPI.MIN)
@@ -139,7 +146,7 @@ class Topology:
         )
         return (
             f"{self.world.size} ranks as {shape} ({how}); "
-            f"rank {self.world.rank} is local rank {self.local_rank} of node {self.node}"
+            f"rank {self.world.rank} is local rank {self.local_rank} of node {self.node}; {self.memory.describe()}"
         )
 
     def free(self) -> None:

@@ -171,7 +171,7 @@ def test_gradient_assembled_in_the_shared_buffer(topology, algorithm):
 @pytest.mark.parametrize("n", [1, 5, 999, 10_007])
 def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
     """A small window forces many rounds; the result must equal MPI's Reduce_scatter."""
-    ledger = {"t_intra": 0.0, "bytes_intra": 0}
+    ledger = {"t_intra": 0.0, "bytes_intra": 0, "bytes_staged": 0}
     channel = Channel(topology.local, "intra", ledger)
     counts = topology.local_shard_counts(n)
     shared = SharedReduceScatter(channel, counts, np.dtype(dtype), slot_bytes=64 * 8)
@@ -202,7 +202,7 @@ def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, mon
     read every piece intact while the others run ahead."""
     if not COMM.allreduce(topology.local_size > 1 and topology.local_shares_memory, op=MPI.LAND):  # on all alike
         pytest.skip("needs two ranks sharing memory on every node")
-    ledger = {"t_intra": 0.0, "bytes_intra": 0}
+    ledger = {"t_intra": 0.0, "bytes_intra": 0, "bytes_staged": 0}
     channel = Channel(topology.local, "intra", ledger)
     n, dtype = 999, "float32"
     counts = topology.local_shard_counts(n)

@@ -5,12 +5,13 @@ A subclass implements ``_reduce(grad) -> flat array`` (the sum over ranks,
 divided by their number through ``averaged`` when averaging), taking its
 result array from ``output`` once it has read ``grad`` for the last time (the
 caller may pass ``out=grad``), and says where its residual lives; the rest is
-here.
+here. Arrays are made through ``self.xp``, the namespace of the memory the
+topology put the rank in (NumPy, or CuPy on a GPU; see ``memory.py``), so one
+implementation of each algorithm serves both.
 """
 from __future__ import annotations
 
 import math
-import time
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -21,6 +22,7 @@ from .. import kernels
 from ..consensus import raise_if_any, require_same
 from ..errors import GradientError, NonFiniteGradientError
 from ..launch import abort_job
+from ..memory import HostMemory
 from ..topology import Topology
 from .channel import Channel
 from .shm import MessageReduceScatter, node_reduce_scatter
@@ -41,7 +43,7 @@ def selection_size(density: float, length: int) -> int:
 
 # The per-call check: each problem is a bit, gathered from every rank.
 _PROBLEMS = {
-    1: "not a NumPy array",
+    1: "not {kind}",
     2: "not 1-D (allreduce takes the flat fused buffer)",
     4: "wrong length",
     8: "wrong dtype",
@@ -52,13 +54,15 @@ _PROBLEMS = {
 _NON_FINITE = 32
 
 
-def _problems_of(grad: Any, out: Any, size: int, dtype: np.dtype) -> int:
-    if not isinstance(grad, np.ndarray):
+def _problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMemory) -> int:
+    """The problems of a gradient and ``out`` already adopted by ``memory`` (None
+    where that failed), as bits of ``_PROBLEMS``."""
+    if grad is None:
         return 1
     code = 0
     if out is not None and not (
-        isinstance(out, np.ndarray) and out.shape == (size,) and out.dtype == dtype and out.flags.c_contiguous
-        and out.flags.writeable
+        memory.is_array(out) and out.shape == (size,) and out.dtype == dtype and out.flags.c_contiguous
+        and getattr(out.flags, "writeable", True)  # CuPy arrays are always writable
     ):
         code |= 64
     if grad.ndim != 1:
@@ -69,7 +73,7 @@ def _problems_of(grad: Any, out: Any, size: int, dtype: np.dtype) -> int:
         code |= 8
     if not grad.flags.c_contiguous:
         code |= 16
-    if code == 0 and not kernels.all_finite(grad):
+    if code == 0 and not memory.all_finite(grad):
         code |= _NON_FINITE
     return code
 
@@ -95,7 +99,8 @@ class Allreducer:
         shared_buffer: bool = False,
     ):
         world = topology.world
-        problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse)
+        problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse,
+                                  topology.memory)
         if problem is None and not isinstance(shared_buffer, bool):
             problem = f"shared_buffer must be True or False, got {shared_buffer!r}"
         raise_if_any(world, problem)
@@ -115,6 +120,8 @@ class Allreducer:
             ),
         )
         self.topology = topology
+        self.memory = topology.memory
+        self.xp = self.memory.xp
         self.size = int(size)
         self.dtype = np.dtype(dtype)
         self.density = float(density)
@@ -123,43 +130,42 @@ class Allreducer:
         self.error_feedback = bool(error_feedback)
         self.average = bool(average)
         self.shared_buffer = shared_buffer
-        self._buffer: Optional[np.ndarray] = None  # see ``buffer``
+        self._buffer: Any = None  # see ``buffer``
         self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_reduce_scatter``)
         self._code = np.zeros(1, dtype=np.int32)
-        self._out: Optional[np.ndarray] = None
+        self._out: Any = None
         self._codes = np.zeros(world.size, dtype=np.int32)
         self.last: Dict[str, float] = self._fresh_ledger()
         self.world = self.channel(world, spans_nodes=True)
         # The residual covers [lo, hi) of the global vector (empty for dense methods).
         self._residual_range: Tuple[int, int] = (0, 0)
-        self._residual = np.zeros(0, dtype=self.dtype)
+        self._residual = self.xp.zeros(0, dtype=self.dtype)
 
     # -- construction helpers for subclasses -------------------------------------------
     def channel(self, comm: MPI.Comm, spans_nodes: bool) -> Channel:
         """Wrap ``comm``; its bytes count as inter-node when it spans nodes."""
         inter = spans_nodes and self.topology.num_nodes > 1
-        return Channel(comm, "inter" if inter else "intra", self.last)
+        return Channel(comm, "inter" if inter else "intra", self.last, self.memory)
 
     def node_reduce_scatter(self, local: Channel, counts: List[int]):
         """The node's Reduce_scatter (see ``shm.node_reduce_scatter``); with
         ``shared_buffer`` its shared vector becomes ``buffer``."""
-        reduce_scatter = node_reduce_scatter(
-            local, counts, self.dtype, self.topology.local_shares_memory, self.shared_buffer
-        )
+        shares_memory = self.topology.local_shares_memory and self.memory.in_host_memory
+        reduce_scatter = node_reduce_scatter(local, counts, self.dtype, shares_memory, self.shared_buffer)
         self._buffer = reduce_scatter.buffer  # None: plain memory, made when asked for
         return reduce_scatter
 
     def new_selector(self) -> kernels.Selector:
         """One selector per selection site, since a selector may keep state."""
-        return kernels.make_selector(self.selector_name, **self.selector_options)
+        return self.memory.selector(self.selector_name, self.selector_options)
 
     def keep_residual(self, lo: int, hi: int) -> None:
         """Keep a residual over ``[lo, hi)`` of the global vector (with error feedback)."""
         if self.error_feedback:
             self._residual_range = (lo, hi)
-            self._residual = np.zeros(hi - lo, dtype=self.dtype)
+            self._residual = self.xp.zeros(hi - lo, dtype=self.dtype)
 
-    def with_residual(self, fresh: np.ndarray) -> np.ndarray:
+    def with_residual(self, fresh: Any) -> Any:
         """``fresh`` plus the residual, summed into the residual when error feedback
         is on; otherwise ``fresh`` itself (selection leaves it untouched then)."""
         if not self.error_feedback:
@@ -167,17 +173,17 @@ class Allreducer:
         self._residual += fresh
         return self._residual
 
-    def output(self, zeroed: bool) -> np.ndarray:
+    def output(self, zeroed: bool) -> Any:
         """The result array: the caller's ``out`` or a new one, zero-filled when
         the algorithm writes only some positions."""
         out = self._out
         if out is None:
-            return np.zeros(self.size, self.dtype) if zeroed else np.empty(self.size, self.dtype)
+            return self.xp.zeros(self.size, self.dtype) if zeroed else self.xp.empty(self.size, self.dtype)
         if zeroed:
             out.fill(0)
         return out
 
-    def averaged(self, values: np.ndarray) -> np.ndarray:
+    def averaged(self, values: Any) -> Any:
         """Divide by the world size in place when averaging. Each algorithm calls
         it where the fewest values are in hand (the k selected pairs, or a shard
         before it is shared): the bits are those of dividing the whole sum."""
@@ -185,25 +191,25 @@ class Allreducer:
             values /= self.world.size
         return values
 
-    def select(self, selector: kernels.Selector, acc: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    def select(self, selector: kernels.Selector, acc: Any, k: int) -> Tuple[Any, Any]:
         """Pick k entries of ``acc``; return (indices, values) and leave the rest in
         ``acc`` (the residual) when error feedback is on."""
         if k == 0:  # an empty shard (fewer elements than shards)
-            return np.zeros(0, dtype=np.int64), acc[:0].copy()
-        start = time.perf_counter()
+            return self.xp.zeros(0, dtype=np.int64), acc[:0].copy()
+        start = self.memory.now()
         indices = selector(acc, k)
         values = acc[indices]
         if self.error_feedback:
             acc[indices] = 0
-        self.last["t_select"] += time.perf_counter() - start
+        self.last["t_select"] += self.memory.now() - start
         self.last["k"] += len(indices)
         if len(values):
-            self.last["threshold"] = min(self.last["threshold"], float(np.abs(values).min()))
+            self.last["threshold"] = min(self.last["threshold"], float(self.xp.abs(values).min()))
         return indices, values
 
     # -- the public interface ----------------------------------------------------------
     @property
-    def buffer(self) -> np.ndarray:
+    def buffer(self) -> Any:
         """An array of the gradient's size and dtype to assemble the flat gradient
         in and pass to ``allreduce`` (``out=`` it too, to reduce in place). With
         ``shared_buffer=True``, ``hier_dense`` and ``hitopk`` keep it in the
@@ -213,23 +219,31 @@ class Allreducer:
         Passing another array instead overwrites all but this rank's shard of
         a shared buffer (that is where its parts are copied in)."""
         if self._buffer is None:
-            self._buffer = np.zeros(self.size, self.dtype)
+            self._buffer = self.xp.zeros(self.size, self.dtype)
         return self._buffer
 
-    def allreduce(self, grad: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def allreduce(self, grad: Any, out: Any = None) -> Any:
         """The sum (or mean) of ``grad`` over all ranks: a new array, or ``out``
         when given (``out=grad`` reduces in place and saves an allocation).
+
+        ``grad`` lives where the topology put the rank: a NumPy array, or on a
+        GPU a CuPy array or any CUDA array exporting DLPack (a torch tensor),
+        whose result comes back as the same kind of array.
 
         Every rank gets identical bits. A gradient refused on any rank raises
         GradientError on every rank and leaves the residuals as they were.
         """
         self.last = self._fresh_ledger()
-        start = time.perf_counter()
-        self._check(grad, out)
+        start = self.memory.now()
+        given_grad, given_out = grad, out
+        grad, back = self.memory.adopt(given_grad)
+        if given_out is not None:
+            out = grad if given_out is given_grad else self.memory.adopt(given_out)[0]
+        self._check(grad, out, given_out is not None)
         self._out = out
-        self.last["t_check"] = time.perf_counter() - start
+        self.last["t_check"] = self.memory.now() - start
         try:
-            out = self._reduce(grad)
+            result = self._reduce(grad)
             self._out = None  # the caller's buffer is not kept between calls
         except BaseException:
             # Inputs were checked on every rank, so this is a failure of this rank
@@ -238,12 +252,12 @@ class Allreducer:
             abort_job(self.topology.world, f"{self.name} allreduce")
         if math.isinf(self.last["threshold"]):  # nothing was selected: a dense method
             self.last["threshold"] = 0.0
-        self.last["t_total"] = time.perf_counter() - start
-        return out
+        self.last["t_total"] = self.memory.now() - start
+        return given_out if given_out is not None else back(result)
 
-    def residual_full(self) -> np.ndarray:
+    def residual_full(self) -> Any:
         """This rank's residual in global coordinates (zeros elsewhere)."""
-        full = np.zeros(self.size, dtype=self.dtype)
+        full = self.xp.zeros(self.size, dtype=self.dtype)
         lo, hi = self._residual_range
         full[lo:hi] = self._residual
         return full
@@ -251,7 +265,7 @@ class Allreducer:
     def residual_state(self) -> Tuple[Tuple[int, int], np.ndarray]:
         """This rank's residual for a checkpoint: its range ``[lo, hi)`` of the
         global vector and a copy of its values."""
-        return self._residual_range, self._residual.copy()
+        return self._residual_range, self.memory.to_host(self._residual)
 
     def load_residual_state(self, span: Tuple[int, int], values: np.ndarray) -> None:
         """Restore what ``residual_state`` returned on the same rank and layout.
@@ -262,7 +276,7 @@ class Allreducer:
             problem = (f"saved residual covers {tuple(span)} with {np.shape(values)} values; "
                        f"this rank's covers {self._residual_range} with {self._residual.shape}")
         raise_if_any(self.topology.world, problem)
-        self._residual[...] = values
+        self._residual[...] = self.xp.asarray(values)
 
     def free(self) -> None:
         """Release the node's shared-memory window, where the algorithm holds one.
@@ -276,28 +290,30 @@ class Allreducer:
             self._buffer = None
 
     # -- internals ---------------------------------------------------------------------
-    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+    def _reduce(self, grad: Any) -> Any:
         raise NotImplementedError
 
     def _fresh_ledger(self) -> Dict[str, float]:
         ledger = dict.fromkeys(("t_check", "t_select", "t_intra", "t_inter"), 0.0)
         ledger["threshold"] = math.inf  # the smallest selected magnitude, lowered by select()
-        ledger.update(dict.fromkeys(("k", "bytes_intra", "bytes_inter"), 0))
+        ledger.update(dict.fromkeys(("k", "bytes_intra", "bytes_inter", "bytes_staged"), 0))
         if hasattr(self, "last"):  # channels hold the ledger: refill it in place
             self.last.clear()
             self.last.update(ledger)
             return self.last
         return ledger
 
-    def _check(self, grad: Any, out: Any) -> None:
-        """Gather every rank's verdict on its gradient; raise alike on all ranks."""
-        self._code[0] = _problems_of(grad, out, self.size, self.dtype)
+    def _check(self, grad: Any, out: Any, out_given: bool) -> None:
+        """Gather every rank's verdict on its (adopted) gradient; raise alike on all ranks."""
+        self._code[0] = _problems_of(grad, out, self.size, self.dtype, self.memory)
+        if out_given and out is None:  # given, but not an array of this memory
+            self._code[0] |= 64
         self.topology.world.Allgather(self._code, self._codes)
         if not self._codes.any():
             return
         parts: List[str] = []
         for rank in np.flatnonzero(self._codes):
-            names = [text for bit, text in _PROBLEMS.items() if self._codes[rank] & bit]
+            names = [text.format(kind=self.memory.kind) for bit, text in _PROBLEMS.items() if self._codes[rank] & bit]
             parts.append(f"rank {rank}: " + ", ".join(names))
         error = NonFiniteGradientError if (self._codes | _NON_FINITE).max() == _NON_FINITE else GradientError
         raise error(
@@ -307,7 +323,7 @@ class Allreducer:
 
 
 def _check_settings(size: Any, dtype: Any, density: Any, selector: str, selector_options: Dict[str, Any],
-                    sparse: bool) -> Optional[str]:
+                    sparse: bool, memory: HostMemory) -> Optional[str]:
     """A message for the first bad setting, or None."""
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         return f"size must be a positive integer, got {size!r}"
@@ -324,7 +340,7 @@ def _check_settings(size: Any, dtype: Any, density: Any, selector: str, selector
     if sparse and size > MAX_SHARD:
         return f"size {size} exceeds {MAX_SHARD}: sparse indices travel as int32"
     try:  # built here on every rank, so that bad options are refused everywhere alike
-        kernels.make_selector(selector, **selector_options)
+        memory.selector(selector, selector_options)
     except (TypeError, ValueError) as error:
         return f"selector {selector!r} refused its options {selector_options!r}: {error}"
     return None

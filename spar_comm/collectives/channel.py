@@ -12,6 +12,10 @@ Bytes are what this rank sends under the ring model:
   Reduce: n from every rank but the root;
 * Send: the message.
 
+On a GPU the buffers are device arrays; ``memory.for_mpi`` hands them to MPI
+in place (CUDA-aware) or through pinned host buffers, and
+``bytes_staged`` counts the copies.
+
 The links of an emulated cluster (``bench_comm.py --link-counters``) agree
 with these counts for the rail and tree traffic; for the world Allreduce and
 Allgather of ``dense`` and ``topka`` on nodes of several ranks MPICH's
@@ -20,10 +24,12 @@ butterflies cross nodes in only some steps, so the links carry less.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 from mpi4py import MPI
+
+from ..memory import HOST, HostMemory
 
 
 #: MPICH's Bcast: a binomial tree below this many bytes or ranks
@@ -61,62 +67,65 @@ def displacements(counts: Sequence[int]) -> List[int]:
 
 
 class Channel:
-    """A communicator whose calls add their time and bytes to ``ledger``."""
+    """A communicator whose calls add their time and bytes to ``ledger``, and
+    hand device buffers to MPI as ``memory`` allows (staged or in place)."""
 
-    def __init__(self, comm: MPI.Comm, kind: str, ledger: Dict[str, float]):
+    def __init__(self, comm: MPI.Comm, kind: str, ledger: Dict[str, float], memory: HostMemory = HOST):
         assert kind in ("intra", "inter")
         self.comm = comm
         self.size = comm.size
         self.rank = comm.rank
+        self.memory = memory
         self._t, self._b = "t_" + kind, "bytes_" + kind
         self._ledger = ledger
 
     def book(self, start: float, nbytes: int) -> None:
         """Add the time since ``start`` and ``nbytes`` sent to the ledger."""
-        self._ledger[self._t] += time.perf_counter() - start
+        self._ledger[self._t] += self.memory.now() - start
         self._ledger[self._b] += int(nbytes)
 
-    def allreduce(self, buf: np.ndarray) -> None:
+    def _call(self, mpi: Callable[[Any, Any], None], send: Any, recv: Any, nbytes: int) -> None:
+        """``mpi(send, recv)`` on buffers MPI may take, booked as ``nbytes`` sent.
+        Alone in its communicator a rank only copies ``send`` to ``recv``, where
+        it is: nothing crosses, so nothing is staged."""
+        start = self.memory.now()
+        if self.size == 1:
+            if send is not None and recv is not None and recv is not send:
+                recv[...] = send
+        else:
+            with self.memory.for_mpi(send, recv) as (host_send, host_recv):
+                mpi(host_send, host_recv)
+            self._ledger["bytes_staged"] += self.memory.staged_bytes(send, recv)
+        self.book(start, nbytes)
+
+    def allreduce(self, buf: Any) -> None:
         """Sum ``buf`` in place over the communicator."""
-        start = time.perf_counter()
-        if self.size > 1:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        self.book(start, 2 * (self.size - 1) * buf.nbytes // self.size)
+        self._call(lambda _, b: self.comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM), buf, buf,
+                   2 * (self.size - 1) * buf.nbytes // self.size)
 
-    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
-        start = time.perf_counter()
-        self.comm.Reduce_scatter(send, recv, list(counts), op=MPI.SUM)
-        self.book(start, (self.size - 1) * send.nbytes // self.size)
+    def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int]) -> None:
+        self._call(lambda s, r: self.comm.Reduce_scatter(s, r, list(counts), op=MPI.SUM), send, recv,
+                   (self.size - 1) * send.nbytes // self.size)
 
-    def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+    def allgather(self, send: Any, recv: Any) -> None:
         """Equal blocks: ``recv`` holds ``size`` copies of ``send``'s length."""
-        start = time.perf_counter()
-        self.comm.Allgather(send, recv)
-        self.book(start, (self.size - 1) * send.nbytes)
+        self._call(self.comm.Allgather, send, recv, (self.size - 1) * send.nbytes)
 
-    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+    def allgatherv(self, send: Any, recv: Any, counts: Sequence[int]) -> None:
         """Blocks of ``counts`` elements, placed one after another in ``recv``."""
-        start = time.perf_counter()
-        self.comm.Allgatherv(send, [recv, (list(counts), displacements(counts))])
-        self.book(start, (self.size - 1) * send.nbytes)
+        where = (list(counts), displacements(counts))
+        self._call(lambda s, r: self.comm.Allgatherv(s, [r, where]), send, recv, (self.size - 1) * send.nbytes)
 
-    def bcast(self, buf: np.ndarray, root: int = 0) -> None:
-        start = time.perf_counter()
-        self.comm.Bcast(buf, root=root)
-        self.book(start, bcast_bytes(self.rank, root, self.size, buf.nbytes))
+    def bcast(self, buf: Any, root: int = 0) -> None:
+        self._call(lambda _, b: self.comm.Bcast(b, root=root), buf if self.rank == root else None, buf,
+                   bcast_bytes(self.rank, root, self.size, buf.nbytes))
 
-    def reduce(self, send: np.ndarray, recv: np.ndarray, root: int = 0) -> None:
-        start = time.perf_counter()
-        self.comm.Reduce(send, recv, op=MPI.SUM, root=root)
-        self.book(start, send.nbytes if self.rank != root else 0)
+    def reduce(self, send: Any, recv: Any, root: int = 0) -> None:
+        self._call(lambda s, r: self.comm.Reduce(s, r, op=MPI.SUM, root=root), send, recv,
+                   send.nbytes if self.rank != root else 0)
 
-    def send(self, buf: np.ndarray, dest: int, tag: int) -> None:
-        start = time.perf_counter()
-        self.comm.Send(buf, dest=dest, tag=tag)
-        self.book(start, buf.nbytes)
+    def send(self, buf: Any, dest: int, tag: int) -> None:
+        self._call(lambda s, _: self.comm.Send(s, dest=dest, tag=tag), buf, None, buf.nbytes)
 
-    def recv(self, buf: np.ndarray, source: int, tag: int) -> None:
-        start = time.perf_counter()
-        self.comm.Recv(buf, source=source, tag=tag)
-        self.book(start, 0)
-
+    def recv(self, buf: Any, source: int, tag: int) -> None:
+        self._call(lambda _, r: self.comm.Recv(r, source=source, tag=tag), None, buf, 0)

@@ -5,7 +5,7 @@ link carries the node's share once.
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
 from ..topology import shard_bounds
 from .base import Allreducer
@@ -21,10 +21,10 @@ class HierDenseAllreducer(Allreducer):
         self.counts = topology.local_shard_counts(self.size)
         self.reduce_scatter = self.node_reduce_scatter(self.local, self.counts)
         self.lo, _ = topology.owned_range(self.size)
-        self.region = np.empty(self.counts[self.local.rank], dtype=self.dtype)
+        self.region = self.xp.empty(self.counts[self.local.rank], dtype=self.dtype)
         self.shards = topology.shards_per_node
 
-    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+    def _reduce(self, grad: Any) -> Any:
         region = self.region
         self.reduce_scatter(grad, region)
         for j, rail in self.rails.items():

@@ -12,6 +12,8 @@ the node where bandwidth is plentiful.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..kernels import sorted_distinct
@@ -44,13 +46,14 @@ class HiTopKAllreducer(Allreducer):
         self.offsets = displacements(self.counts)
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
-        self.region = np.empty(self.hi - self.lo if self.local.size > 1 and not self.error_feedback else 0, self.dtype)
-        self.reduced = np.zeros(self.hi - self.lo if self.local.size > 1 else 0, self.dtype)
+        xp = self.xp
+        self.region = xp.empty(self.hi - self.lo if self.local.size > 1 and not self.error_feedback else 0, self.dtype)
+        self.reduced = xp.zeros(self.hi - self.lo if self.local.size > 1 else 0, self.dtype)
         self.keep_residual(self.lo, self.hi)
-        self._count = np.zeros(1, dtype=np.int64)
-        self._counts = np.zeros(self.local.size, dtype=np.int64)
+        self._count = xp.zeros(1, dtype=np.int64)
+        self._counts = xp.zeros(self.local.size, dtype=np.int64)
 
-    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+    def _reduce(self, grad: Any) -> Any:
         acc = self._node_sum_with_residual(grad)
         picks = [self.select(site.selector, acc[site.lo : site.hi], site.k) for site in self.sites]
         if self.local.size == 1:  # this rank is its node: sum straight into the output, as topka does
@@ -66,15 +69,15 @@ class HiTopKAllreducer(Allreducer):
         finally:
             reduced[touched] = 0
 
-    def _exchange(self, picks: list, region: np.ndarray) -> np.ndarray:
+    def _exchange(self, picks: list, region: Any) -> Any:
         """Every site's rail Allgather of its picks, summed into ``region`` (mine);
         returns the positions touched, with repeats (harmless: each is read,
         then written back)."""
         touched = [site.exchange(indices, values, region[site.lo : site.hi]) + site.lo
                    for site, (indices, values) in zip(self.sites, picks)]
-        return np.concatenate(touched)
+        return self.xp.concatenate(touched)
 
-    def _node_sum_with_residual(self, grad: np.ndarray) -> np.ndarray:
+    def _node_sum_with_residual(self, grad: Any) -> Any:
         """My region of the node's sum plus my residual (the array to select from)."""
         if self.local.size == 1:  # a lone rank of its node holds its node's sum already
             return self.with_residual(grad)
@@ -84,11 +87,11 @@ class HiTopKAllreducer(Allreducer):
         self.reduce_scatter(grad, self.region)
         return self.region
 
-    def _share_in_node(self, reduced: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def _share_in_node(self, reduced: Any, positions: Any) -> Any:
         """Local Allgather of every rank's reduced region, sparse when that is smaller."""
         self._count[0] = positions.size
         self.local.allgather(self._count, self._counts)
-        layouts = [PairLayout(int(u), self.dtype) for u in self._counts]
+        layouts = [PairLayout(u, self.dtype, self.xp) for u in self._counts.tolist()]
         sparse_bytes = sum(layout.nbytes for layout in layouts)
         dense = sparse_bytes >= reduced.itemsize * self.size
         out = self.output(zeroed=not dense)
@@ -100,7 +103,7 @@ class HiTopKAllreducer(Allreducer):
         values, indices = mine.views(sendbuf)
         values[:] = reduced[positions]
         indices[:] = positions
-        recvbuf = np.empty(sparse_bytes, dtype=np.uint8)
+        recvbuf = self.xp.empty(sparse_bytes, dtype=np.uint8)
         self.local.allgatherv(sendbuf, recvbuf, [layout.nbytes for layout in layouts])
         start = 0
         for layout, offset in zip(layouts, self.offsets):

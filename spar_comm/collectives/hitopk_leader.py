@@ -7,7 +7,8 @@ rank per node does all selection and all inter-node traffic.
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
+
 from mpi4py import MPI
 
 from .base import Allreducer, selection_size
@@ -24,13 +25,13 @@ class HiTopKLeaderAllreducer(Allreducer):
         self.is_leader = topology.leader != MPI.COMM_NULL
         if self.is_leader:
             self.k = selection_size(self.density, self.size)
-            self.node_sum = np.empty(self.size, dtype=self.dtype)
+            self.node_sum = self.xp.empty(self.size, dtype=self.dtype)
             leaders = self.channel(topology.leader, spans_nodes=True)
             self.exchange = PairExchange(leaders, self.k, self.dtype)
             self.selector = self.new_selector()
             self.keep_residual(0, self.size)
 
-    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+    def _reduce(self, grad: Any) -> Any:
         node_sum = self.node_sum if self.is_leader else None
         self.local.reduce(grad, node_sum)
         out = self.output(zeroed=self.is_leader)

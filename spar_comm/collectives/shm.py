@@ -89,7 +89,7 @@ class MessageReduceScatter:
             self.channel.reduce_scatter(send, recv, self.counts)
             return
         if self._sum.shape != recv.shape or self._sum.dtype != recv.dtype:
-            self._sum = np.empty_like(recv)
+            self._sum = self.channel.memory.xp.empty_like(recv)
         self.channel.reduce_scatter(send, self._sum, self.counts)
         recv += self._sum
 

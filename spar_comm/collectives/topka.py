@@ -7,7 +7,7 @@ indices (each part padded to 8 bytes, see pairs.py).
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
 from .base import Allreducer, selection_size
 from .pairs import PairExchange
@@ -24,7 +24,7 @@ class TopKAllgatherAllreducer(Allreducer):
         self.selector = self.new_selector()
         self.keep_residual(0, self.size)
 
-    def _reduce(self, grad: np.ndarray) -> np.ndarray:
+    def _reduce(self, grad: Any) -> Any:
         acc = self.with_residual(grad)
         indices, values = self.select(self.selector, acc, self.k)
         out = self.output(zeroed=True)

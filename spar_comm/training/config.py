@@ -8,10 +8,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from ..memory import DEVICES  # where a run computes: cpu, gpu, or gpu-simulator (the GPU path on the CPU)
+
 MODELS = ("mlp", "softmax", "cnn")
 DATASETS = ("digits", "synthetic")
 SCHEDULES = ("cosine", "step")
-DEVICES = ("cpu", "gpu")
 
 #: Settings that may change when a run is resumed: they stop, trace or place
 #: the run but do not change its bits.

@@ -1,8 +1,10 @@
 """The loop's one door to MPI and to the host: the array namespace of a
 device, the fused gradient allreduce, and the small collectives of a step.
 
-The allreducers take NumPy arrays; a gradient on another device or in
-another framework crosses to the host here (zero-copy for NumPy and CPU torch).
+On the CPU the allreducers take NumPy arrays, and a gradient of another
+framework crosses to the host here (zero-copy for CPU torch). On a GPU they
+take the device arrays themselves (CuPy, or CUDA torch tensors through
+DLPack), so a gradient never leaves the device but for what MPI must move.
 """
 from __future__ import annotations
 
@@ -13,18 +15,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ..collectives import make_allreducer
-from ..errors import ConfigError
+from ..memory import HostMemory
 from ..topology import Topology
 
 
-def array_backend(device: str) -> Tuple[Any, Any]:
-    """(array namespace, device object) of the run. Only ``cpu`` (NumPy) is
-    built: the GPU data path (CuPy kernels, CUDA-aware MPI) has not been run on
-    a GPU yet, and untested GPU code is not shipped."""
-    if device != "cpu":
-        raise ConfigError("--device gpu is not built yet (the CuPy kernels and GPU data path are "
-                          "still to come); use --device cpu")
-    return array_api_compat.array_namespace(np.zeros(0)), "cpu"
+def array_backend(memory: HostMemory) -> Tuple[Any, Any]:
+    """(array namespace, device object) of a memory: NumPy's on the CPU (and
+    the simulated GPU), CuPy's on the rank's GPU."""
+    probe = memory.xp.zeros(0)
+    return array_api_compat.array_namespace(probe), array_api_compat.device(probe)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -83,9 +82,12 @@ class FusedAllreduce:
         return self.reducer.sparse
 
     def __call__(self, grad: Any, xp: Any) -> Any:
+        if not self.reducer.memory.in_host_memory:  # a device array, adopted as it is
+            self.reducer.allreduce(grad, out=grad)
+            return grad
         host = to_host(grad)
         self.reducer.allreduce(host, out=host)  # in place: no new array per step
-        if host is not grad:  # off the host (or a framework tensor): write the result back
+        if host is not grad:  # a framework tensor off the host: write the result back
             grad[...] = xp.asarray(host, device=array_api_compat.device(grad))
         return grad
 

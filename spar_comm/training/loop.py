@@ -66,11 +66,10 @@ class Summary:
 def build_model(config: TrainConfig, data: Dataset, xp: Any, device: Any) -> Any:
     """The model the config names, in the array namespace ``xp``."""
     if config.model == "cnn":
-        if config.device != "cpu":
-            raise ConfigError("--model cnn runs on --device cpu for now")
         from .torch_model import small_cnn
 
-        return small_cnn(config.seed, data.n_classes, config.dtype)
+        where = f"cuda:{device.id}" if config.device == "gpu" else "cpu"  # device: CuPy's, for gpu
+        return small_cnn(config.seed, data.n_classes, config.dtype, where)
     depth = 0 if config.model == "softmax" else config.depth
     return MLP(data.n_features, data.n_classes, config.hidden, depth, xp, config.dtype, device)
 
@@ -96,20 +95,20 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     problems = config.problems()
     if problems:
         raise ConfigError("; ".join(problems))
-    topology = Topology(comm, config.ranks_per_node)
+    topology = Topology(comm, config.ranks_per_node, config.device)  # a rank without its GPU: ConfigError on all
     group = Group(topology)
     rank0 = group.rank == 0
     missing = config.resume and not os.path.exists(config.checkpoint)
     raise_if_any(topology.world, f"no checkpoint to resume at {config.checkpoint}" if missing else None)
 
     # -- the pieces: data, model, optimizer, allreducer -------------------------------
-    xp, device = agreed_backend(config.device, topology)
+    xp, device = array_backend(topology.memory)
     data = data if data is not None else load_dataset(config.dataset, config.dtype)
     raise_if_any(topology.world, dataset_problem(data))
     model_name = config.model if model is None else type(model).__name__
     model = model if model is not None else build_model(config, data, xp, device)
     params = model.init(config.seed)
-    xp = array_api_compat.array_namespace(params)
+    xp, device = array_api_compat.array_namespace(params), array_api_compat.device(params)
     shards = Shards(len(data.y_train), group.rank, group.size, config.batch_size, config.seed)
     if shards.steps_per_epoch < 1:
         raise ConfigError(
@@ -215,16 +214,6 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
             select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
         )
     return group.comm.bcast(summary, root=0)
-
-
-def agreed_backend(device: str, topology: Topology) -> Tuple[Any, Any]:
-    """``array_backend`` on every rank, refused on all if any rank lacks it."""
-    try:
-        backend, problem = array_backend(device), None
-    except ConfigError as exc:
-        backend, problem = None, str(exc)
-    raise_if_any(topology.world, problem)
-    return backend
 
 
 def default_epochs(dataset: str) -> int:

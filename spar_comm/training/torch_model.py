@@ -72,7 +72,8 @@ class SmallCNN(torch.nn.Module):
         return self.head(x.flatten(1))
 
 
-def small_cnn(seed: int, n_classes: int, dtype: str) -> TorchModel:
-    """The demonstration CNN, its weights drawn from ``seed``."""
+def small_cnn(seed: int, n_classes: int, dtype: str, device: str = "cpu") -> TorchModel:
+    """The demonstration CNN on ``device``, its weights drawn from ``seed`` (on
+    the CPU, so that every device starts from the same weights)."""
     torch.manual_seed(seed)
-    return TorchModel(SmallCNN(n_classes).to(getattr(torch, dtype)))
+    return TorchModel(SmallCNN(n_classes).to(getattr(torch, dtype)).to(device))
