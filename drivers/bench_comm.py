@@ -12,6 +12,10 @@ and ``hitopk`` keep in the node's shared memory (no copy in;
 ``--no-shared-buffer`` passes a private array instead). The table shows time, selection
 and communication time, and the bytes each rank sends inside and between
 nodes (ring model, see spar_comm.collectives.channel).
+``--device gpu`` puts each rank's gradient on its GPU as a CuPy array (the
+bytes copied through host buffers, when MPI is not CUDA-aware, are in the
+JSON as ``bytes_staged``); ``--device gpu-simulator`` runs that path on the
+CPU under numba-cuda's simulator, for tests.
 The JSON written to --out (after every size, so a killed run keeps what it
 measured) is what the cost model is fitted on.
 
@@ -34,8 +38,10 @@ from spar_comm.kernels import SELECTORS
 from spar_comm.cli import comma_list, density
 from spar_comm.consensus import raise_if_any
 from spar_comm.launch import run_main
+from spar_comm.memory import DEVICES
 
 FIGURES = ("t_select", "t_intra", "t_inter")
+COUNTS = ("bytes_intra", "bytes_inter", "k", "bytes_staged")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--selector", default="mstopk" if "mstopk" in SELECTORS else "exact",
                         choices=sorted(SELECTORS), help="top-k method (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--device", default="cpu", choices=DEVICES,
+                        help="where gradients live: gpu = GPU local_rank %% count, CuPy arrays (default: cpu)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="emulate nodes of this many consecutive ranks (default: real nodes)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default: %(default)s)")
@@ -81,11 +89,13 @@ def unwritable(path: str) -> str | None:
     return None
 
 
-def measure(reducers: list, grad: np.ndarray, warmup: int, repeat: int, shared_buffer: bool) -> list:
+def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> list:
     """For each reducer: the median of the slowest rank's time per call, and of
-    the call's figures. Calls go round-robin over the reducers."""
+    the call's figures. Calls go round-robin over the reducers. ``grad`` is an
+    array of the topology's memory (NumPy, or CuPy on a GPU); a call returns
+    once its result is written, the device's stream included."""
     world = reducers[0].topology.world
-    out = np.empty_like(grad)  # a training loop reduces into a buffer it keeps
+    out = reducers[0].xp.empty_like(grad)  # a training loop reduces into a buffer it keeps
     sends = [reducer.buffer if shared_buffer else grad for reducer in reducers]
     for send in sends:
         send[...] = grad
@@ -102,7 +112,7 @@ def measure(reducers: list, grad: np.ndarray, warmup: int, repeat: int, shared_b
             rows[j, i, 1:] = [reducer.last[name] for name in FIGURES]
     slowest = np.empty_like(rows)
     world.Allreduce(rows, slowest, op=MPI.MAX)
-    sent = np.array([[r.last["bytes_intra"], r.last["bytes_inter"], r.last["k"]] for r in reducers], np.int64)
+    sent = np.array([[r.last[name] for name in COUNTS] for r in reducers], np.int64)
     most, total = np.empty_like(sent), np.empty_like(sent)
     world.Allreduce(sent, most, op=MPI.MAX)
     world.Allreduce(sent, total, op=MPI.SUM)
@@ -123,7 +133,7 @@ def link_counter(world: MPI.Comm, iface: str) -> str | None:
     return path if reader else None
 
 
-def link_bytes(reducers: list, sends: list, out: np.ndarray, counter: str | None) -> list:
+def link_bytes(reducers: list, sends: list, out, counter: str | None) -> list:
     """Bytes sent on the hosts' links during one call of each reducer, summed
     over hosts (``counter`` is the path ``link_counter`` gave this rank; the
     barriers before and after add a few hundred bytes)."""
@@ -146,7 +156,7 @@ def link_bytes(reducers: list, sends: list, out: np.ndarray, counter: str | None
 
 
 def summary(slowest: np.ndarray, most: np.ndarray) -> dict:
-    """One reducer's row: ``slowest`` is (repeat, time + FIGURES), ``most`` its bytes and k."""
+    """One reducer's row: ``slowest`` is (repeat, time + FIGURES), ``most`` its COUNTS."""
     medians = np.median(slowest, axis=0)
     return {
         "time_median": float(medians[0]),
@@ -154,15 +164,13 @@ def summary(slowest: np.ndarray, most: np.ndarray) -> dict:
         "time_p90": float(np.percentile(slowest[:, 0], 90)),
         "times": slowest[:, 0].tolist(),
         **{name: float(value) for name, value in zip(FIGURES, medians[1:])},
-        "bytes_intra": int(most[0]),
-        "bytes_inter": int(most[1]),
-        "k": int(most[2]),
+        **{name: int(value) for name, value in zip(COUNTS, most)},
     }
 
 
 def main() -> int:
     args = parse_args()
-    topology = Topology(ranks_per_node=args.ranks_per_node)
+    topology = Topology(ranks_per_node=args.ranks_per_node, device=args.device)
     world = topology.world
     lead = world.rank == 0
     # Only rank 0 writes, so only its view of the file system counts; all ranks agree.
@@ -185,6 +193,7 @@ def main() -> int:
         "warmup": args.warmup,
         "repeat": args.repeat,
         "shared_buffer": args.shared_buffer,
+        "device": topology.memory.describe(),
     }
     results = []
     if lead:
@@ -195,13 +204,13 @@ def main() -> int:
         print(header, flush=True)
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
-        grad = rng.standard_normal(size).astype(args.dtype)
+        grad = topology.memory.xp.asarray(rng.standard_normal(size).astype(args.dtype))
         reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector,
                                     shared_buffer=args.shared_buffer) for a in args.algorithms]
         measured = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
         if args.link_counters:
             sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
-            for figures, count in zip(measured, link_bytes(reducers, sends, np.empty_like(grad), counter)):
+            for figures, count in zip(measured, link_bytes(reducers, sends, topology.memory.xp.empty_like(grad), counter)):
                 figures["link_bytes"] = count
         for reducer in reducers:
             reducer.free()

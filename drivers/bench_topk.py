@@ -1,35 +1,45 @@
 #!/usr/bin/env python3
 """Benchmark the top-k selectors of spar_comm.kernels against their baselines.
 
-For every size n and density d (k = max(1, round(d * n))) on Gaussian data it
-times, as the median of --repeat runs after one warm-up run:
+For every size n, density d (k = max(1, round(d * n))) and dtype, on Gaussian
+data, it times as the median of --repeat runs after one warm-up run:
 
 * every selected method of ``spar_comm.kernels`` (default: all registered);
-* ``numpy.argpartition`` of ``|x|``, the usual exact baseline;
-* ``torch.topk`` of ``|x|``, when torch can be imported;
-* the floor: one read pass over the same data, ``np.abs(x).max()``.
+* the baselines: ``numpy.argpartition`` of ``|x|`` on the CPU,
+  ``cupy.argpartition`` (a full sort at these k) on the GPU, and
+  ``torch.topk`` of ``|x|`` on either when torch can be imported;
+* the floor: one read of the same data (``np.abs(x).max()`` on the CPU, a
+  max reduction on the GPU).
 
-It prints one table row per (n, d, method) with the speed-up over
-argpartition, the multiple of the floor, and the recall against the exact
-top-k set, and writes every figure as JSON (``--out``) for the cost model:
-``{"machine": {...}, "records": [{"n", "k", "density", "dtype", "method",
-"median_s", ...}, ...]}``. Stateful methods (``*_warm``) see the same array
-on every run, i.e. their best case of a gradient that did not change.
+``--device gpu`` runs the device kernels (``kernels.device_select``) on CuPy
+arrays, timed by CUDA events; ``--device gpu-simulator`` runs the same
+kernels under numba-cuda's simulator (for tests: its times mean nothing).
+
+It prints one table row per (n, d, dtype, method) with the speed-up over the
+reference baseline (argpartition on the CPU, torch.topk on the GPU), the
+multiple of the floor, the bandwidth of one read of x in that time, and the
+recall against the exact top-k set, and writes every figure as JSON (``--out``)
+for the cost model: ``{"machine": {...}, "records": [{"n", "k", "density",
+"dtype", "method", "median_s", ...}, ...]}``. Stateful methods (``*_warm``)
+see the same array on every run, i.e. their best case of a gradient that did
+not change.
 
 Example:
     python drivers/bench_topk.py --sizes 1048576,16777216 --densities 0.001,0.01 --out topk.json
+    python drivers/bench_topk.py --device gpu --sizes 1048576,67108864 --dtype float32,float16 --out gpu.json
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
 import socket
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -37,7 +47,9 @@ from spar_comm.cli import comma_list, positive_int
 from spar_comm.kernels import SELECTORS, make_selector
 from spar_comm.kernels.selection import exact_topk
 
-BASELINES = ("argpartition", "torch.topk", "floor")
+BASELINES = ("argpartition", "cupy.argpartition", "torch.topk", "floor")
+DEVICES = ("cpu", "gpu", "gpu-simulator")
+DTYPES = ("float16", "float32", "float64")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -59,13 +71,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default=sorted(SELECTORS), help=f"comma-separated selector methods (default: all: {','.join(sorted(SELECTORS))})",
     )
     parser.add_argument("--repeat", type=positive_int, default=7, help="timed runs per figure, after one warm-up (default: 7)")
-    parser.add_argument("--dtype", choices=["float16", "float32", "float64"], default="float32", help="element type (default: float32)")
+    parser.add_argument("--dtype", type=comma_list(str, lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}"),
+                        default=["float32"], help="comma-separated element types (default: float32)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="cpu; gpu: the device kernels on CuPy arrays, CUDA-event times; gpu-simulator: "
+                        "the device kernels under numba-cuda's simulator, for tests (default: cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Gaussian test data (default: 0)")
     parser.add_argument("--out", metavar="FILE.json", help="write the records and machine metadata here as JSON")
     parser.add_argument("--no-torch", action="store_true", help="leave torch.topk out even when torch is installed")
     args = parser.parse_args(argv)
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         parser.error(f"--out: the folder of {args.out!r} does not exist")
+    try:
+        args.bench = BENCHES[args.device](load_torch(not args.no_torch))
+    except RuntimeError as error:
+        parser.error(f"--device {args.device}: {error}")
+    unknown = [m for m in args.methods if m not in args.bench.methods]
+    if unknown:
+        parser.error(f"--device {args.device} has no kernel for {', '.join(unknown)}")
     return args
 
 
@@ -88,6 +111,120 @@ def load_torch(wanted: bool):
     except ImportError:
         return None
     return torch
+
+
+class CpuBench:
+    """NumPy arrays, the CPU selectors, wall-clock medians."""
+
+    reference = "argpartition"
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.methods = sorted(SELECTORS)
+
+    def put(self, x: np.ndarray):
+        return x
+
+    def to_host(self, x) -> np.ndarray:
+        return x
+
+    def make(self, method: str) -> Callable:
+        return make_selector(method)
+
+    def floor(self, x) -> Callable[[], object]:
+        return lambda: np.abs(x).max()
+
+    def baselines(self, x, k: int) -> Dict[str, Callable[[], object]]:
+        runs: Dict[str, Callable[[], object]] = {"argpartition": lambda: np.argpartition(np.abs(x), x.size - k)}
+        if self.torch is not None:
+            t = self.torch.from_numpy(x)
+            runs["torch.topk"] = lambda: self.torch.topk(t.abs(), k, sorted=False)
+        return runs
+
+    def time(self, run: Callable[[], object], repeat: int) -> Tuple[float, float]:
+        return median_time(run, repeat)
+
+    def describe(self) -> Dict[str, object]:
+        return {"device": "cpu"}
+
+
+class SimulatedGpuBench(CpuBench):
+    """The device kernels on NumPy arrays under numba-cuda's simulator: it runs
+    the GPU benchmark's code where there is no GPU; its times mean nothing."""
+
+    def __init__(self, torch):
+        super().__init__(None)
+        from numba import config
+
+        if not config.ENABLE_CUDASIM:
+            raise RuntimeError("set NUMBA_ENABLE_CUDASIM=1 in the environment")
+        from spar_comm.kernels import device_select
+
+        self.kernels = device_select.METHODS
+        self.methods = sorted(self.kernels)
+
+    def make(self, method: str) -> Callable:
+        return self.kernels[method]()
+
+    def describe(self) -> Dict[str, object]:
+        return {"device": "gpu-simulator"}
+
+
+class GpuBench(SimulatedGpuBench):
+    """CuPy arrays on GPU 0, the device kernels, and CUDA-event medians."""
+
+    def __init__(self, torch):
+        try:
+            import cupy
+            from spar_comm.kernels import device_select
+
+            cupy.cuda.runtime.getDeviceCount()
+        except Exception as error:  # ImportError, or CUDARuntimeError without a GPU
+            raise RuntimeError(f"needs CuPy and a GPU ({type(error).__name__}: {error})") from None
+        self.cupy, self.torch = cupy, torch
+        self.kernels = device_select.METHODS
+        self.methods = sorted(self.kernels)
+        self.reference = "torch.topk" if torch is not None else "cupy.argpartition"
+
+    def put(self, x: np.ndarray):
+        return self.cupy.asarray(x)
+
+    def to_host(self, x) -> np.ndarray:
+        return self.cupy.asnumpy(x)
+
+    def floor(self, x) -> Callable[[], object]:
+        return lambda: x.max()  # one read of x, reduced on the device
+
+    def baselines(self, x, k: int) -> Dict[str, Callable[[], object]]:
+        cupy = self.cupy
+        runs: Dict[str, Callable[[], object]] = {
+            "cupy.argpartition": lambda: cupy.argpartition(cupy.abs(x), x.size - k)}
+        if self.torch is not None:
+            t = self.torch.from_dlpack(x)  # the same device memory
+            runs["torch.topk"] = lambda: self.torch.topk(t.abs(), k, sorted=False)
+        return runs
+
+    def time(self, run: Callable[[], object], repeat: int) -> Tuple[float, float]:
+        """(median, min) seconds between CUDA events around each run, after one warm-up."""
+        cupy = self.cupy
+        run()
+        times = []
+        for _ in range(repeat):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+        return float(np.median(times)), float(min(times))
+
+    def describe(self) -> Dict[str, object]:
+        props = self.cupy.cuda.runtime.getDeviceProperties(0)
+        return {"device": "gpu", "gpu": props["name"].decode(), "cupy": self.cupy.__version__,
+                "cuda_runtime": self.cupy.cuda.runtime.runtimeGetVersion()}
+
+
+BENCHES = {"cpu": CpuBench, "gpu": GpuBench, "gpu-simulator": SimulatedGpuBench}
 
 
 def machine() -> Dict[str, object]:
@@ -117,48 +254,47 @@ def machine() -> Dict[str, object]:
 
 
 def bench(args: argparse.Namespace) -> List[Dict[str, object]]:
-    torch = load_torch(not args.no_torch)
+    where = args.bench
     rng = np.random.default_rng(args.seed)
     records: List[Dict[str, object]] = []
-    for n in args.sizes:
-        x = rng.standard_normal(n, dtype=np.float32).astype(args.dtype)
-        floor, floor_min = median_time(lambda: np.abs(x).max(), args.repeat)
-        for density in args.densities:
-            k = max(1, min(n, round(density * n)))
-            truth = exact_topk(x, k)
-            runs: Dict[str, Callable[[], object]] = {
-                "argpartition": lambda: np.argpartition(np.abs(x), n - k),
-            }
-            if torch is not None:
-                t = torch.from_numpy(x)
-                runs["torch.topk"] = lambda: torch.topk(t.abs(), k, sorted=False)
-            for method in args.methods:
-                selector = make_selector(method)
-                runs[method] = lambda s=selector: s(x, k)
-            times = {name: median_time(run, args.repeat) for name, run in runs.items()}
-            times["floor"] = (floor, floor_min)
-            for name, (med, best) in times.items():
-                recall = None
-                if name in SELECTORS:
-                    recall = np.intersect1d(runs[name](), truth, assume_unique=True).size / truth.size
-                records.append({
-                    "n": n, "k": k, "density": density, "dtype": args.dtype, "method": name,
-                    "exact": SELECTORS.get(name), "median_s": med, "min_s": best, "repeat": args.repeat,
-                    "per_element_s": med / n,
-                    "speedup_vs_argpartition": times["argpartition"][0] / med,
-                    "floor_multiple": med / floor, "recall": recall,
-                })
+    for dtype in args.dtype:
+        for n in args.sizes:
+            host = rng.standard_normal(n, dtype=np.float32).astype(dtype)
+            x = where.put(host)
+            floor = where.time(where.floor(x), args.repeat)
+            for density in args.densities:
+                k = max(1, min(n, round(density * n)))
+                truth = exact_topk(host, k)
+                runs = where.baselines(x, k)
+                for method in args.methods:
+                    runs[method] = functools.partial(where.make(method), x, k)
+                times = {name: where.time(run, args.repeat) for name, run in runs.items()}
+                times["floor"] = floor
+                reference = times[where.reference][0]
+                for name, (med, best) in times.items():
+                    recall = None
+                    if name in SELECTORS:
+                        recall = np.intersect1d(where.to_host(runs[name]()), truth, assume_unique=True).size / truth.size
+                    records.append({
+                        "n": n, "k": k, "density": density, "dtype": dtype, "device": args.device, "method": name,
+                        "exact": SELECTORS.get(name), "median_s": med, "min_s": best, "repeat": args.repeat,
+                        "per_element_s": med / n, "read_gbps": host.nbytes / med / 1e9,
+                        "reference": where.reference, "speedup_vs_reference": reference / med,
+                        "floor_multiple": med / floor[0], "recall": recall,
+                    })
     return records
 
 
 def table(records: List[Dict[str, object]]) -> str:
-    head = f"{'n':>10} {'density':>8} {'k':>8} {'method':<15} {'median ms':>10} {'vs argpart':>10} {'x floor':>8} {'recall':>7}"
+    reference = records[0]["reference"] if records else ""
+    head = (f"{'n':>10} {'density':>8} {'k':>8} {'dtype':<8} {'method':<17} {'median ms':>10} "
+            f"{'vs ' + reference:>14} {'x floor':>8} {'GB/s':>8} {'recall':>7}")
     lines = [head, "-" * len(head)]
     for r in records:
         recall = "" if r["recall"] is None else f"{r['recall']:.4f}"
         lines.append(
-            f"{r['n']:>10} {r['density']:>8g} {r['k']:>8} {r['method']:<15} {r['median_s'] * 1e3:>10.3f} "
-            f"{r['speedup_vs_argpartition']:>9.2f}x {r['floor_multiple']:>7.2f}x {recall:>7}"
+            f"{r['n']:>10} {r['density']:>8g} {r['k']:>8} {r['dtype']:<8} {r['method']:<17} {r['median_s'] * 1e3:>10.3f} "
+            f"{r['speedup_vs_reference']:>13.2f}x {r['floor_multiple']:>7.2f}x {r['read_gbps']:>8.2f} {recall:>7}"
         )
     return "\n".join(lines)
 
@@ -169,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(table(records))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine(), "records": records}, f, indent=1)
+            json.dump({"machine": {**machine(), **args.bench.describe()}, "records": records}, f, indent=1)
         print(f"wrote {len(records)} records to {args.out}")
     return 0
 

@@ -27,6 +27,23 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
         assert len(re.findall(rf"^\s*\d+ {algorithm} ", result.stdout, re.M)) == 2, result.stdout
 
 
+def test_the_gpu_path_stages_only_the_pairs_of_the_sparse_algorithms(run_driver, tmp_path):
+    """--device gpu-simulator (the GPU path on the CPU, MPI not CUDA-aware):
+    dense stages its whole vector out and back, topka its k pairs out and the
+    two ranks' records back in."""
+    pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
+    out = tmp_path / "bench.json"
+    result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", "4099", "--density", 0.01,
+                        "--algorithms", "dense,topka", "--selector", "threshold", "--device", "gpu-simulator",
+                        "--repeat", 1, "--warmup", 0, "--out", out, ranks=2, timeout=300,
+                        env={"NUMBA_ENABLE_CUDASIM": "1", "SPAR_COMM_CUDA_AWARE": "0"})
+    assert result.returncode == 0, result.stderr
+    document = json.loads(out.read_text())
+    assert document["meta"]["device"] == "gpu-simulator 0, MPI through pinned host buffers"
+    staged = {row["algorithm"]: row["bytes_staged"] for row in document["results"]}
+    assert staged == {"dense": 2 * 4099 * 4, "topka": 3 * 336}
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -37,6 +54,7 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
         (["--selector", "nope"], "invalid choice"),
         (["--out", "/no/such/folder/x.json"], "not a writable folder"),
         (["--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(run_driver, args, words):
