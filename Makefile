@@ -54,6 +54,16 @@ test-mpi: $(STAMP) $(FW_STAMP)
 # The reference checks at 8, 12 and 16 ranks (8x2, 16x1, 4x4, uneven nodes of
 # 5), on one host with emulated nodes and, as root, on emulated hosts. Not part
 # of `make test`: 16 ranks on a small machine take a while.
+# On a machine with a GPU, CuPy and numba-cuda (not part of `make test`): the
+# device kernels on CuPy arrays, then the GPU path of every allreducer with
+# GPU_RANKS ranks sharing the GPUs (staged, and CUDA-aware where MPI is).
+GPU_RANKS ?= 2
+.PHONY: test-gpu
+test-gpu:
+	NUMBA_ENABLE_CUDASIM=0 $(PY) -m pytest -q -p no:cacheprovider tests/test_device_select.py tests/test_memory.py
+	NUMBA_ENABLE_CUDASIM=0 SPAR_COMM_RANKS_PER_NODE=$(GPU_RANKS) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m pytest \
+	    --with-mpi -m mpi -q -p no:cacheprovider tests/test_gpu_path_mpi.py
+
 .PHONY: test-scale
 test-scale: $(STAMP) $(FW_STAMP)
 	$(PY) tests/run_scale.py --mpiexec $(MPIEXEC)

@@ -39,6 +39,9 @@ from .topology import Topology
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "rank", "size"]
 
+#: Where CUDA tensors go instead (the optimizer's buckets and overlap thread have
+#: not been written for CUDA streams).
+_ON_GPU = "for CUDA tensors use an allreducer on Topology(device='gpu'), which takes them through DLPack"
 #: The dtypes the allreducers take.
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 #: ``state_dict()["spar_comm"]["format"]``: bumped when the layout of the entry changes.
@@ -337,7 +340,7 @@ def broadcast_parameters(module: Any, root: int = 0, comm: Optional[MPI.Comm] = 
     if layout != reference:
         problem = f"its tensors differ from rank {root}'s: {_first_difference(layout, reference)}"
     elif any(t.device.type != "cpu" for _, t in named):
-        problem = "CUDA tensors need the GPU path, which is not built yet"
+        problem = f"spar_comm.torch takes CPU tensors; {_ON_GPU}"
     raise_if_any(comm, problem)
     with torch.no_grad():
         for _, tensor in named:
@@ -398,7 +401,7 @@ def _settings_problem(named: List, dense: Sequence[Any], bucket_cap_mb: Any, pas
         if p.dtype not in _DTYPES:
             return f"parameter {name!r} is {p.dtype}; the allreducers take float32 and float64"
         if p.device.type != "cpu":
-            return f"parameter {name!r} is on {p.device}: CUDA tensors need the GPU path, which is not built yet"
+            return f"parameter {name!r} is on {p.device}: spar_comm.torch takes CPU tensors; {_ON_GPU}"
     return None
 
 

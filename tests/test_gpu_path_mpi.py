@@ -1,11 +1,16 @@
-"""The GPU path of every allreducer, run by CI without a GPU: the topology's
+"""The GPU path of every allreducer. CI runs it without a GPU: the topology's
 ``gpu-simulator`` memory stands NumPy arrays in for device memory and runs the
 device kernels (selection, and gtopk's merge) under numba-cuda's simulator.
-Both hand-offs to MPI are covered: pinned-host staging and CUDA-aware.
+With ``NUMBA_ENABLE_CUDASIM=0`` on a machine with CuPy and a GPU the same
+tests run on ``--device gpu``, CuPy arrays, ranks sharing the GPUs. Both
+hand-offs to MPI are covered: pinned-host staging, and CUDA-aware (on a real
+GPU only where the MPI library says it is, since any other may crash).
 
 The simulator is slow, so this runs at one node layout per world size (the
 launch's ``SPAR_COMM_RANKS_PER_NODE``) and on small vectors."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +22,7 @@ from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from reference import Reference  # noqa: E402
 from spar_comm import ALGORITHMS, GradientError, NonFiniteGradientError, Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.pairs import PairLayout  # noqa: E402
-from spar_comm.device import ENV_CUDA_AWARE  # noqa: E402
+from spar_comm.device import ENV_CUDA_AWARE, library_cuda_support  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -25,15 +30,40 @@ N, DENSITY = 300, 0.02
 MODES = {"staged": "0", "cuda-aware": "1"}
 
 
+def gpu_device() -> str:
+    """``gpu-simulator`` under the simulator, else ``gpu`` (skipped without CuPy and a GPU)."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        return "gpu-simulator"
+    cupy = pytest.importorskip("cupy")
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device, and the simulator is off")
+    return "gpu"
+
+
 @pytest.fixture(scope="module", params=list(MODES))
 def gpu_topology(request):
-    """A topology on the simulated GPU; ``request.param`` picks the MPI hand-off."""
+    """A topology on the GPU (or the simulated one); ``request.param`` picks the MPI hand-off."""
+    device = gpu_device()
+    if device == "gpu" and request.param == "cuda-aware" and not library_cuda_support():
+        pytest.skip("this MPI library is not CUDA-aware")
     patch = pytest.MonkeyPatch()
     patch.setenv(ENV_CUDA_AWARE, MODES[request.param])
-    topology = Topology(device="gpu-simulator")
+    topology = Topology(device=device)
     patch.undo()
     yield topology
     topology.free()
+
+
+def on_device(topology, array: np.ndarray):
+    return topology.memory.xp.array(array)  # a copy: the tests reduce in place
+
+
+def on_host(topology, array) -> np.ndarray:
+    return topology.memory.to_host(array)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -46,11 +76,14 @@ def test_the_gpu_path_matches_the_serial_reference(gpu_topology, algorithm):
     ref = Reference(algorithm, p, gpu_topology.emulated_ranks_per_node, N, "float32", DENSITY)
     for step in range(2):
         grads = integer_grads(N, step, p, N, "float32")
-        grad = grads[rank].copy()
+        grad = on_device(gpu_topology, grads[rank])
         out = reducer.allreduce(grad, out=grad) if step else reducer.allreduce(grad)
+        assert_all(COMM, (out is grad) == bool(step) and gpu_topology.memory.is_array(out), "not the array asked for")
+        out = on_host(gpu_topology, out)
         expected = ref.step(grads)
         assert_all(COMM, np.array_equal(out, expected), f"step {step}: output differs from the reference")
-        assert_all(COMM, np.array_equal(reducer.residual_full(), ref.residuals[rank]), f"step {step}: residual")
+        residual = on_host(gpu_topology, reducer.residual_full())
+        assert_all(COMM, np.array_equal(residual, ref.residuals[rank]), f"step {step}: residual")
         assert_identical_bits(COMM, out, "output")
     reducer.free()
 
@@ -61,7 +94,7 @@ def test_staging_moves_the_pairs_not_the_vector(gpu_topology):
     few hundred bytes, against 1,200 for the vector; CUDA-aware stages nothing."""
     reducer = make_allreducer("topka", gpu_topology, N, "float32", density=DENSITY, selector="threshold")
     assert isinstance(reducer.selector, device_select.Threshold)  # the device kernels select
-    reducer.allreduce(integer_grads(N, 0, COMM.size, N, "float32")[COMM.rank])
+    reducer.allreduce(on_device(gpu_topology, integer_grads(N, 0, COMM.size, N, "float32")[COMM.rank]))
     record = PairLayout(reducer.k, np.dtype("float32")).nbytes
     expected = 0 if gpu_topology.memory.cuda_aware else (COMM.size + 1) * record
     staged = reducer.last["bytes_staged"]
@@ -76,7 +109,7 @@ def test_mstopk_on_the_device_selects_what_the_cpu_does(gpu_topology):
     reducer = make_allreducer("hitopk", gpu_topology, N, "float32", density=DENSITY, selector="mstopk")
     ref = Reference("hitopk", p, gpu_topology.emulated_ranks_per_node, N, "float32", DENSITY)
     grads = integer_grads(7, 0, p, N, "float32")
-    out = reducer.allreduce(grads[rank])
+    out = on_host(gpu_topology, reducer.allreduce(on_device(gpu_topology, grads[rank])))
     assert_all(COMM, np.array_equal(out, ref.step(grads)), "mstopk on the device differs from the reference")
 
 
@@ -92,9 +125,9 @@ def test_a_bad_gradient_on_one_rank_is_refused_on_every_rank(gpu_topology):
     if rank == p - 1:
         poisoned[5] = np.nan
     with pytest.raises(NonFiniteGradientError, match=f"rank {p - 1}: non-finite"):
-        reducer.allreduce(poisoned)
-    wrong = grads[rank].tolist() if rank == 0 else grads[rank]
-    with pytest.raises(GradientError, match="rank 0: not a NumPy array .*standing for GPU memory"):
+        reducer.allreduce(on_device(gpu_topology, poisoned))
+    wrong = grads[rank].tolist() if rank == 0 else on_device(gpu_topology, grads[rank])
+    with pytest.raises(GradientError, match=f"rank 0: not {re.escape(gpu_topology.memory.kind)}"):
         reducer.allreduce(wrong)
-    out = reducer.allreduce(grads[rank])
+    out = on_host(gpu_topology, reducer.allreduce(on_device(gpu_topology, grads[rank])))
     assert_all(COMM, np.array_equal(out, ref.step(grads)), "a refused call changed the state")

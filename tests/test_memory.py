@@ -91,7 +91,21 @@ def test_device_selectors_exist_for_every_method_and_refuse_others():
         memory.selector("mstopk", {"N": 0})
 
 
+def gpu_here() -> bool:
+    """Whether CuPy sees a GPU, with the simulator off (``make test-gpu``)."""
+    from numba import config
+
+    try:
+        import cupy
+
+        return not config.ENABLE_CUDASIM and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or CUDARuntimeError without a driver or device
+        return False
+
+
 def test_gpu_without_cupy_or_a_gpu_is_a_config_error_naming_what_is_missing():
+    if gpu_here():
+        pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="--device gpu: (CuPy is not installed|no CUDA device is visible)"):
         Topology(MPI.COMM_SELF, device="gpu")
 
@@ -109,7 +123,31 @@ def test_the_simulated_gpu_needs_the_simulator(monkeypatch):
         open_memory("gpu-simulator", MPI.COMM_SELF, 0)
 
 
+def test_on_a_gpu_a_lone_rank_takes_gpu_0_and_answers_cupy_and_torch_in_kind():
+    if not gpu_here():
+        pytest.skip("needs CuPy, a GPU and NUMBA_ENABLE_CUDASIM=0")
+    import cupy
+
+    from spar_comm import make_allreducer
+
+    topology = Topology(MPI.COMM_SELF, device="gpu")
+    assert topology.memory.index == 0 and topology.memory.xp is cupy
+    reducer = make_allreducer("topka", topology, 4096, density=0.01, selector="threshold")
+    x = cupy.arange(4096, dtype=cupy.float32) - 2048
+    out = reducer.allreduce(x)
+    kept = cupy.asnumpy(cupy.flatnonzero(out))
+    assert isinstance(out, cupy.ndarray) and kept.tolist() == list(range(21)) + list(range(4096 - 20, 4096))
+    torch = pytest.importorskip("torch")
+    tensor = torch.ones(4096, device="cuda")
+    answer = reducer.allreduce(tensor)
+    assert isinstance(answer, torch.Tensor) and answer.is_cuda
+
+
 def test_a_topology_names_its_memory():
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("the simulated GPU needs NUMBA_ENABLE_CUDASIM=1")
     topology = Topology(MPI.COMM_SELF, device="gpu-simulator")
     assert topology.memory.name == "gpu-simulator" and topology.memory.index == 0
     assert "gpu-simulator 0" in topology.describe()
