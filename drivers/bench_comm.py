@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=sorted(SELECTORS), help="top-k method (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--device", default="cpu", choices=DEVICES,
-                        help="where gradients live: gpu = GPU local_rank %% count, CuPy arrays (default: cpu)")
+                        help="where gradients live: gpu = CuPy arrays on GPU (place on host) %% count (default: cpu)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="emulate nodes of this many consecutive ranks (default: real nodes)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first (default: %(default)s)")

@@ -181,7 +181,8 @@ class GpuBench(SimulatedGpuBench):
             cupy.cuda.runtime.getDeviceCount()
         except Exception as error:  # ImportError, or CUDARuntimeError without a GPU
             raise RuntimeError(f"needs CuPy and a GPU ({type(error).__name__}: {error})") from None
-        self.cupy, self.torch = cupy, torch
+        self.cupy = cupy
+        self.torch = torch if torch is not None and torch.cuda.is_available() else None  # a CPU build cannot
         self.kernels = device_select.METHODS
         self.methods = sorted(self.kernels)
         self.reference = "torch.topk" if torch is not None else "cupy.argpartition"

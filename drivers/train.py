@@ -70,7 +70,7 @@ def make_parser() -> RankZeroParser:
     model.add_argument("--depth", type=int, default=DEFAULTS.depth, help="MLP hidden layers")
     model.add_argument("--dtype", default=DEFAULTS.dtype, choices=["float32", "float64"], help="of parameters and gradients")
     model.add_argument("--device", default=DEFAULTS.device, choices=DEVICES,
-                       help="gpu: each rank on GPU local_rank %% count (needs CuPy); gpu-simulator: the GPU path "
+                       help="gpu: each rank on GPU (its place on its host) %% count (needs CuPy); gpu-simulator: the GPU path "
                        "on the CPU under numba-cuda's simulator (slow; set NUMBA_ENABLE_CUDASIM=1)")
     opt = p.add_argument_group("optimization")
     length = opt.add_mutually_exclusive_group()

@@ -249,7 +249,10 @@ def launch(kernel, blocks: int, threads: int, *args) -> None:
     if config.ENABLE_CUDASIM:
         raise RuntimeError("CuPy arrays need a real GPU, but NUMBA_ENABLE_CUDASIM is set: unset it or set it to 0")
     stream = cuda.external_stream(xp.cuda.get_current_stream().ptr)
-    kernel[blocks, threads, stream](*args)
+    # The kernel runs on CuPy's stream, so numba need not synchronise the
+    # stream each CuPy array exports (its default: a host wait per argument).
+    arrays = [cuda.as_cuda_array(a, sync=False) if isinstance(a, xp.ndarray) else a for a in args]
+    kernel[blocks, threads, stream](*arrays)
 
 
 class Keys:

@@ -9,7 +9,8 @@ neither is taken as not CUDA-aware. ``SPAR_COMM_CUDA_AWARE=0|1`` overrides the
 answer (a site whose MPI answers wrongly, or a test). Every rank must agree,
 so the job uses device buffers only when all of its ranks can.
 
-One GPU per rank: the node-local rank picks ``local_rank % device_count``.
+One GPU per rank: the rank's place among the ranks of its host picks GPU
+``host_rank % device_count``.
 ``open_memory`` makes that choice for a topology, collectively.
 """
 from __future__ import annotations
@@ -84,14 +85,14 @@ def cuda_aware(comm: MPI.Comm) -> bool:
     return bool(comm.allreduce(int(mine), op=MPI.MIN))
 
 
-def device_index(local_rank: int, device_count: int) -> int:
-    """The GPU of a rank: ``local_rank % device_count`` (ranks share GPUs round-robin)."""
+def device_index(host_rank: int, device_count: int) -> int:
+    """The GPU of a rank: ``host_rank % device_count`` (ranks share GPUs round-robin)."""
     if device_count < 1:
         raise ConfigError("no CUDA device is visible to this rank")
-    return local_rank % device_count
+    return host_rank % device_count
 
 
-def _local_gpu(device: str, local_rank: int) -> int:
+def _local_gpu(device: str, host_rank: int) -> int:
     """This rank's GPU for ``device`` ("gpu": CuPy's, "gpu-simulator": 0), or
     ConfigError naming what is missing."""
     if device == "gpu-simulator":
@@ -105,25 +106,31 @@ def _local_gpu(device: str, local_rank: int) -> int:
         return 0
     try:
         import cupy
-    except ImportError:
-        raise ConfigError("CuPy is not installed (pip install 'spar_comm[gpu]')") from None
+        from .kernels import device_select  # noqa: F401  (needs numba-cuda)
+    except ImportError as error:
+        raise ConfigError(f"{error} (pip install 'spar_comm[gpu]')") from None
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        raise ConfigError("NUMBA_ENABLE_CUDASIM is set: the device kernels would run in the simulator")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as error:  # CUDARuntimeError when no driver or no device
         raise ConfigError(f"no CUDA device is visible to this rank ({error})") from None
-    return device_index(local_rank, count)
+    return device_index(host_rank, count)
 
 
-def open_memory(device: str, comm: MPI.Comm, local_rank: int) -> HostMemory:
+def open_memory(device: str, comm: MPI.Comm, host_rank: int) -> HostMemory:
     """The memory a rank's allreducers work in: host memory for ``cpu``, GPU
-    ``local_rank % device_count`` for ``gpu``. Collective: a rank without a
-    GPU (or CuPy) raises ConfigError on every rank, and every rank agrees on
-    whether MPI is CUDA-aware."""
+    ``host_rank % device_count`` for ``gpu`` (``host_rank``: the rank's place
+    among the ranks of its host). Collective: a rank without a GPU (or CuPy)
+    raises ConfigError on every rank, and every rank agrees on whether MPI is
+    CUDA-aware."""
     problem = None if device in DEVICES else f"device must be one of {', '.join(DEVICES)}, got {device!r}"
     index = 0
     if problem is None and device != "cpu":
         try:
-            index = _local_gpu(device, local_rank)
+            index = _local_gpu(device, host_rank)
         except ConfigError as error:
             problem = f"--device {device}: {error}"
     raise_if_any(comm, problem)

@@ -9,7 +9,9 @@ shards. The ranks that own shard ``j`` on every node form ``rails[j]``; with
 equal nodes that is exactly ``rail``, the ranks with my local rank.
 
 A topology also fixes where the rank's arrays live (``memory``): host memory,
-or under ``device="gpu"`` the GPU ``local_rank % device_count`` of its node.
+or under ``device="gpu"`` the GPU ``r % device_count``, r the rank's place
+among the ranks of its host (not of its emulated node: emulated nodes on one
+host with 8 GPUs use all 8).
 """
 from __future__ import annotations
 
@@ -75,11 +77,14 @@ class Topology:
         else:
             self.local = self.world.Split(color=rank // emulated, key=rank)
         self.emulated_ranks_per_node = emulated
-        self.local_shares_memory: bool = emulated is None or self._local_within_shared_memory()
+        host = self.local if emulated is None else self.world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        self.local_shares_memory: bool = emulated is None or self._local_within(host)
         self.local_rank: int = self.local.rank
         self.local_size: int = self.local.size
         #: Where the rank's arrays live; ``memory.index`` is its GPU.
-        self.memory: HostMemory = open_memory(device, self.world, self.local_rank)
+        self.memory: HostMemory = open_memory(device, self.world, host.rank)
+        if host is not self.local:
+            host.Free()
 
         # Number nodes by their lowest world rank, the same order on every rank.
         first = self.local.allreduce(rank, op=MPI.MIN)
@@ -109,11 +114,9 @@ class Topology:
                 if rail_j != MPI.COMM_NULL:
                     self.rails[j] = rail_j
 
-    def _local_within_shared_memory(self) -> bool:
-        """Whether every rank of my (emulated) node can map my memory."""
-        shared = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.world.rank)
-        placed = MPI.Group.Translate_ranks(self.local.group, list(range(self.local.size)), shared.group)
-        shared.Free()
+    def _local_within(self, host: MPI.Comm) -> bool:
+        """Whether every rank of my (emulated) node is on my ``host`` and can map my memory."""
+        placed = MPI.Group.Translate_ranks(self.local.group, list(range(self.local.size)), host.group)
         inside = int(MPI.UNDEFINED not in placed)
         return bool(self.local.allreduce(inside, op=MPI.MIN))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import layouts
+from mpi_helpers import layouts, mpich_segments, remove_orphaned_segments
 from spar_comm import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 def find_mpiexec() -> str:
     """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
     return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
+
+
+@pytest.fixture(autouse=True)
+def no_orphaned_shared_memory():
+    """Tests that end a job on purpose (MPI_Abort, SIGKILL) leave MPICH's
+    /dev/shm files behind; remove those nothing uses any more."""
+    before = mpich_segments()
+    yield
+    if MPI.COMM_WORLD.size == 1:  # a serial test: the jobs it started have ended
+        remove_orphaned_segments(before)
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpi_helpers import mpich_segments, remove_orphaned_segments  # noqa: E402
 LAUNCHES = [(1, 1), (2, 1), (3, 2), (4, 2), (6, 3)]  # (ranks, ranks per node)
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
@@ -96,7 +98,9 @@ def main() -> int:
 
     passed = failed = skipped = 0
     for ranks, rpn in LAUNCHES:
+        before = mpich_segments()
         result = run_launch(args.mpiexec, ranks, rpn, args.limit, args.pytest_args or ["tests"])
+        remove_orphaned_segments(before)  # a launch killed at its limit leaves them
         counts = result["summary"]
         passed += counts.get("passed", 0)
         skipped += counts.get("skipped", 0)

@@ -131,3 +131,17 @@ def test_a_bad_gradient_on_one_rank_is_refused_on_every_rank(gpu_topology):
         reducer.allreduce(wrong)
     out = on_host(gpu_topology, reducer.allreduce(on_device(gpu_topology, grads[rank])))
     assert_all(COMM, np.array_equal(out, ref.step(grads)), "a refused call changed the state")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_emulated_nodes_on_one_host_spread_over_all_its_gpus(monkeypatch):
+    """The GPU is picked by the rank's place on its host, not in its emulated
+    node: one rank per emulated node must not put every rank on GPU 0."""
+    from spar_comm import topology as topology_module
+    from spar_comm.memory import HOST
+
+    asked = []
+    monkeypatch.setattr(topology_module, "open_memory", lambda device, comm, host_rank: asked.append(host_rank) or HOST)
+    topology = Topology(ranks_per_node=1)
+    assert_all(COMM, asked == [COMM.rank] and topology.local_rank == 0, f"asked for GPU of host rank {asked}")
+    topology.free()

@@ -106,7 +106,7 @@ def gpu_here() -> bool:
 def test_gpu_without_cupy_or_a_gpu_is_a_config_error_naming_what_is_missing():
     if gpu_here():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(ConfigError, match="--device gpu: (CuPy is not installed|no CUDA device is visible)"):
+    with pytest.raises(ConfigError, match="--device gpu: (No module named|no CUDA device is visible)"):
         Topology(MPI.COMM_SELF, device="gpu")
 
 

@@ -78,6 +78,7 @@ class Channel:
         self.memory = memory
         self._t, self._b = "t_" + kind, "bytes_" + kind
         self._ledger = ledger
+        ledger.setdefault("bytes_staged", 0)
 
     def book(self, start: float, nbytes: int) -> None:
         """Add the time since ``start`` and ``nbytes`` sent to the ledger."""
@@ -117,8 +118,10 @@ class Channel:
         self._call(lambda s, r: self.comm.Allgatherv(s, [r, where]), send, recv, (self.size - 1) * send.nbytes)
 
     def bcast(self, buf: Any, root: int = 0) -> None:
-        self._call(lambda _, b: self.comm.Bcast(b, root=root), buf if self.rank == root else None, buf,
-                   bcast_bytes(self.rank, root, self.size, buf.nbytes))
+        """The root only sends ``buf``, the others only receive it."""
+        mine = self.rank == root
+        self._call(lambda s, r: self.comm.Bcast(s if mine else r, root=root), buf if mine else None,
+                   None if mine else buf, bcast_bytes(self.rank, root, self.size, buf.nbytes))
 
     def reduce(self, send: Any, recv: Any, root: int = 0) -> None:
         self._call(lambda s, r: self.comm.Reduce(s, r, op=MPI.SUM, root=root), send, recv,

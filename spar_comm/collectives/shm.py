@@ -82,13 +82,13 @@ class MessageReduceScatter:
 
     def __init__(self, channel: Channel, counts: Sequence[int]):
         self.channel, self.counts = channel, list(counts)
-        self._sum = np.zeros(0)
+        self._sum = None  # made like the first recv given (NumPy or CuPy)
 
     def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
         if not accumulate:
             self.channel.reduce_scatter(send, recv, self.counts)
             return
-        if self._sum.shape != recv.shape or self._sum.dtype != recv.dtype:
+        if self._sum is None or self._sum.shape != recv.shape or self._sum.dtype != recv.dtype:
             self._sum = self.channel.memory.xp.empty_like(recv)
         self.channel.reduce_scatter(send, self._sum, self.counts)
         recv += self._sum
