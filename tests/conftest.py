@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import layouts, mpich_segments, remove_orphaned_segments
+from mpi_helpers import layouts
+from shm_cleanup import mpich_segments, remove_orphaned_segments
 from spar_comm import Topology
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mpi_helpers import mpich_segments, remove_orphaned_segments  # noqa: E402
+from shm_cleanup import mpich_segments, remove_orphaned_segments  # noqa: E402  (no MPI: this process must not init it)
 LAUNCHES = [(1, 1), (2, 1), (3, 2), (4, 2), (6, 3)]  # (ranks, ranks per node)
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")

@@ -150,3 +150,21 @@ def test_mlp_size_of_the_throughput_task():
     assert 15e6 < layout.size < 18e6
     assert layout.size == 64 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
     assert math.prod(layout.shapes["layer1.weight"]) == 4096 * 4096
+
+
+def test_the_mlp_uses_only_the_array_api_so_cupy_can_run_it():
+    """On --device gpu the MLP runs on CuPy through the array API. Run it on
+    array-api-strict, which refuses anything outside the standard, and it must
+    give NumPy's loss and gradient."""
+    strict = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((7, 5)), rng.integers(0, 4, 7)
+    answers = []
+    for namespace, to in ((xp, np.asarray), (strict, strict.asarray)):
+        model = MLP(n_in=5, n_classes=4, hidden=6, depth=2, xp=namespace, dtype="float64")
+        params = model.init(seed=1)
+        loss, grad = model.loss_and_grad(params, (to(x), to(y)))
+        logits = model.logits(params, to(x))
+        answers.append((loss, np.asarray(grad), np.asarray(logits)))
+    (loss, grad, logits), (strict_loss, strict_grad, strict_logits) = answers
+    assert loss == strict_loss and np.array_equal(grad, strict_grad) and np.array_equal(logits, strict_logits)

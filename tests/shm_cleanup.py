@@ -1,0 +1,40 @@
+"""MPICH's shared-memory files that aborted jobs leave in /dev/shm, and their
+removal. No MPI here: the launcher of the MPI suites imports this, and it must
+not initialise MPI itself."""
+from __future__ import annotations
+
+import os
+
+
+SHM = "/dev/shm"
+
+
+def mpich_segments() -> set:
+    """The names of MPICH's shared-memory files now in /dev/shm."""
+    try:
+        return {name for name in os.listdir(SHM) if name.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def remove_orphaned_segments(before: set) -> None:
+    """Remove MPICH's shared-memory files that appeared since ``before`` and that
+    no live process maps or holds open: what a job ended by MPI_Abort or
+    SIGKILL leaves behind (MPICH gets no chance to unlink them)."""
+    new = mpich_segments() - before
+    if not new:
+        return
+    in_use = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                in_use.update(name for name in new if name in maps.read())
+            in_use.update(name for fd in os.listdir(f"/proc/{pid}/fd")
+                          for name in new if name in os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    for name in new - in_use:
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except OSError:
+            pass
