@@ -320,7 +320,14 @@ def radix_select(keys: Keys, k: int) -> Tuple[int, int]:
     return int(kth), int(ties)
 
 
+def all_positions(x: Any) -> Any:
+    """Every position of ``x``: what each method returns for k >= n."""
+    return namespace(x).arange(x.size, dtype=np.int64)
+
+
 def exact(x: Any, k: int) -> Any:
+    if k >= x.size:
+        return all_positions(x)
     keys = Keys(x)
     kth, ties = radix_select(keys, k)
     return keys.compact(kth, ties, total=k)
@@ -340,6 +347,8 @@ def mstopk(x: Any, k: int, N: int = 30) -> Any:
     """The paper's bisection of the threshold between the mean and the largest
     magnitude, on the keys, ``THRESHOLDS`` per pass (N halving steps in all);
     then an exact pick from the band."""
+    if k >= x.size:
+        return all_positions(x)
     keys = Keys(x)
     xp = keys.xp
     total = xp.zeros(1, dtype=np.float64)
@@ -393,7 +402,7 @@ class Threshold:
     def __call__(self, x: Any, k: int) -> Any:
         check_input(x, k)
         if k >= x.size:
-            return namespace(x).arange(x.size, dtype=np.int64)
+            return all_positions(x)
         keys = Keys(x)
         positions, self.kth_key, _ = from_floor(keys, k, sample_floor(keys, k))
         self.threshold = key_to_value(self.kth_key, x.dtype)
@@ -435,6 +444,4 @@ def device_topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
     check_input(x, k)
     if method not in METHODS:
         raise ValueError(f"unknown top-k method {method!r}; known on the device: {', '.join(sorted(METHODS))}")
-    if k >= x.size:
-        return namespace(x).arange(x.size, dtype=np.int64)
     return METHODS[method](**options)(x, k)

@@ -71,7 +71,7 @@ class GTopKAllreducer(Allreducer):
         summed = xp.zeros(union.size, dtype=self.dtype)
         summed[xp.searchsorted(union, ia)] += va
         summed[xp.searchsorted(union, ib)] += vb
-        keep = self.keep_largest(summed, self.k) if self.k < union.size else xp.arange(union.size)
+        keep = self.keep_largest(summed, self.k)
         if self.error_feedback:
             dropped = xp.ones(union.size, dtype=bool)
             dropped[keep] = False
