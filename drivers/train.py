@@ -83,12 +83,13 @@ def make_parser() -> RankZeroParser:
     opt.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="steps of linear warm-up")
     opt.add_argument("--schedule", default=DEFAULTS.schedule, choices=SCHEDULES, help="after warm-up")
     opt.add_argument("--seed", type=int, default=DEFAULTS.seed, help="initial weights and data order")
-    aids = p.add_argument_group("convergence aids at low density (Deep Gradient Compression; on for sparse "
+    aids = p.add_argument_group("convergence aids at low density (Deep Gradient Compression; for sparse "
                                 "algorithms, ignored by dense ones)")
     aids.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=DEFAULTS.momentum_correction,
                       help="each rank sends its local momentum-corrected velocity; the global step is then plain SGD")
     aids.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=DEFAULTS.momentum_masking,
-                      help="clear the local velocity where the reduced update is non-zero (needs momentum correction)")
+                      help="clear the local velocity where the reduced update is non-zero (needs momentum correction; "
+                           "damps momentum, so off unless the density is very low)")
     aids.add_argument("--density-warmup", type=int, default=DEFAULTS.density_warmup, metavar="EPOCHS",
                       help="density falls exponentially from --density-warmup-start to --density over these epochs (0: off)")
     aids.add_argument("--density-warmup-start", type=float, default=DEFAULTS.density_warmup_start, help="density of the first epoch")

@@ -102,7 +102,7 @@ def test_clip_threshold_is_divided_by_the_root_of_the_world_size():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(momentum_correction=False), "--momentum-masking clears the corrected velocity"),
+    (dict(momentum_correction=False, momentum_masking=True), "--momentum-masking clears the corrected velocity"),
     (dict(density_warmup_start=0.0), "--density-warmup-start must be in (0, 1]"),
     (dict(density_warmup_start=1.5), "--density-warmup-start must be in (0, 1]"),
     (dict(density_warmup=-1), "--density-warmup must be >= 0"),
@@ -112,8 +112,3 @@ def test_bad_aid_settings_are_named(changes, message):
     problems = TrainConfig(**changes).problems()
     assert any(message in p for p in problems), problems
 
-
-def test_defaults_serve_low_density():
-    config = TrainConfig()
-    assert config.momentum_correction and config.momentum_masking and config.density_warmup > 0
-    assert config.problems() == []

@@ -1,7 +1,8 @@
 """The convergence aids around real allreducers, on every emulated node layout:
 conservation of what enters the allreducer across density rebuilds, identical
 bits on every rank, masking exactly where the reduced update is non-zero,
-and k following the density schedule."""
+and k following the density schedule; and the default aids' accuracy against
+dense in the default run and a short one."""
 from __future__ import annotations
 
 import array_api_compat
@@ -13,6 +14,7 @@ from mpi_helpers import assert_all, assert_identical_bits
 from spar_comm.training.aids import DensityWarmup, LocalAids, ScheduledAllreduce
 from spar_comm.training.config import TrainConfig
 from spar_comm.training.distributed import Group
+from spar_comm.training.loop import train
 
 COMM = MPI.COMM_WORLD
 xp = array_api_compat.array_namespace(np.zeros(0))
@@ -27,7 +29,7 @@ def test_corrected_velocity_is_conserved_across_density_rebuilds(topology, algor
     rebuilt twice; the velocity is cleared exactly where the update is non-zero."""
     n, steps_per_epoch, epochs = 1031, 2, 3
     config = TrainConfig(algorithm=algorithm, density=0.02, momentum=0.9, weight_decay=0.01,
-                         density_warmup=2, density_warmup_start=0.2, clip_norm=3.0)
+                         density_warmup=2, density_warmup_start=0.2, clip_norm=3.0, momentum_masking=True)
     schedule = DensityWarmup(config.density, config.density_warmup_start, config.density_warmup, steps_per_epoch)
     reducer = ScheduledAllreduce(Group(topology), algorithm, n, "float64", "exact", schedule)
     rng = np.random.default_rng([11, COMM.rank])
@@ -55,3 +57,35 @@ def test_corrected_velocity_is_conserved_across_density_rebuilds(topology, algor
     error = np.abs(applied + kept - total_sent).max()
     assert_all(COMM, error <= 1e-10 * np.abs(total_sent).max(), f"conservation error {error:.3g}")
     assert_all(COMM, np.abs(kept).max() > 0, "nothing was kept: the test selected everything")
+
+
+def held_out(comm: MPI.Comm, **changes) -> float:
+    """Final held-out accuracy of train() with TrainConfig's defaults and ``changes``."""
+    config = TrainConfig(trace=None, progress=False, **changes)
+    return train(config, comm).test_metric
+
+
+@pytest.mark.mpi(min_size=4)
+def test_the_default_run_ends_within_half_a_point_of_dense():
+    """make train's run (4 ranks as 2 x 2, every setting at its default) against
+    dense on the same seed: the defaults of the aids must not cost accuracy."""
+    if COMM.size != 4:
+        pytest.skip("make train runs 4 ranks")
+    default = held_out(COMM, ranks_per_node=2)
+    dense = held_out(COMM, ranks_per_node=2, algorithm="dense")
+    assert default >= dense - 0.005, (default, dense)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_short_run_at_the_default_aids_keeps_up_with_dense():
+    """Three epochs at density 0.05 on 2 ranks: the default aids end within a
+    point of dense, where no aids end lower (momentum masking, once on by
+    default, took such a run about 17 points below dense)."""
+    if COMM.size != 2:
+        pytest.skip("measured on 2 ranks")
+    short = dict(ranks_per_node=1, epochs=3, density=0.05)
+    default = held_out(COMM, **short)
+    dense = held_out(COMM, **{**short, "algorithm": "dense"})
+    none = held_out(COMM, **short, momentum_correction=False, density_warmup=0)
+    assert default >= dense - 0.01, (default, dense)
+    assert default >= none, (default, none)

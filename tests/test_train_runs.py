@@ -84,7 +84,7 @@ def test_resume_with_the_aids_crosses_a_density_rebuild_to_the_same_bits(tmp_pat
     never stopped; the trace records the density of every step."""
     steps_per_epoch = 1437 // 3 // 32  # digits: 1,437 training samples at 3 ranks
     common = [*FAST, "--steps", "50", "--ranks-per-node", "2", "--algorithm", "hitopk", "--density", "0.001",
-              "--density-warmup", "3", "--clip-norm", "5"]
+              "--density-warmup", "3", "--clip-norm", "5", "--momentum-masking"]
     full = run_train(3, [*common, "--trace", "", "--checkpoint", str(tmp_path / "full.h5")])
     assert full.returncode == 0, full.stderr
     trace = str(tmp_path / "t.h5")
