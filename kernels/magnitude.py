@@ -6,7 +6,7 @@ The order is ``|x|`` with two rules for what ``|x|`` leaves open:
   equal (sign and payload ignored). A NaN in a gradient is therefore always
   selected and surfaces in the reduced result at once, instead of hiding in
   an error-feedback residual until it poisons every later step.
-* **Ties** go to the lowest positions (DESIGN §3 contract).
+* **Ties** go to the lowest positions (the contract in docs/design.md, Selection).
 
 For floats the key of an entry is its bit pattern with the sign bit cleared,
 read as an unsigned integer: for non-negative IEEE numbers the bit order *is*

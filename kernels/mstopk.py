@@ -1,6 +1,6 @@
 """MSTopK (Shi et al., MLSys'21): top-k by N threshold bisection steps, made robust.
 
-The published algorithm (DESIGN §3) bisects a ratio in [0, 1] for N steps; the
+The published algorithm (docs/design.md, Selection) bisects a ratio in [0, 1] for N steps; the
 threshold ``t = mean + ratio * (max - mean)`` of the magnitudes is moved down
 while at most k entries reach it and up while more than k do. It remembers
 ``thres1``, the threshold with the largest count ``k1 <= k``, and ``thres2``,
@@ -16,7 +16,7 @@ What ours changes, and why:
   ``> k`` the band reaches down to zero.
 * **The band is filled by magnitude**, ties to the lowest positions. The band
   holds at least ``k - k1`` entries, so the result is then exactly the top-k
-  set of the DESIGN §3 contract: recall 1, and the method is registered as
+  set of the selection contract: recall 1, and the method is registered as
   exact. After N = 30 steps the band is a few entries wide, so the fill costs
   next to nothing.
 * **Counts are taken over a candidate set.** N passes over the whole array

@@ -1,6 +1,6 @@
 """The top-k selection interface and its registry of methods.
 
-Contract of every method (DESIGN §3): ``topk(x, k, method)`` returns the
+Contract of every method (docs/design.md, Selection): ``topk(x, k, method)`` returns the
 positions of ``min(k, x.size)`` entries of largest ``|x|`` of a flat array, as
 unique integers in ascending order. Exact methods (``SELECTORS[name] is True``)
 return precisely ``{i : |x[i]| > t}`` plus the lowest positions with

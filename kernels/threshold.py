@@ -8,7 +8,7 @@ One sample, one pass, one small pick:
    1-2k candidates); if fewer than k came back the estimate was wrong and a
    lower floor is tried (the last one admits everything), so the answer never
    depends on the estimate, only the time does;
-3. the exact top-k set (DESIGN §3 contract, NaN largest, ties to the lowest
+3. the exact top-k set (the selection contract, NaN largest, ties to the lowest
    positions) is picked among the candidates, which are already in ascending
    position order.
 

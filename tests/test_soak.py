@@ -1,5 +1,5 @@
 """drivers/soak.py: a few steps and rebuilds at 4 ranks as 2x2, so the soak
-keeps working (the full run is 10,000 steps; see the README), and its growth
+keeps working (the full run is 10,000 steps; see docs/results/soak.md), and its growth
 arithmetic."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Top-k selectors (DESIGN §3): the contract, MSTopK's robustness, bad input.
+"""Top-k selectors (docs/design.md, Selection): the contract, MSTopK's robustness, bad input.
 
 Sizes stay small except where a test must exercise the sampled candidate pass
 (more than ``4 * SAMPLE`` entries); no test asserts a time.
@@ -22,7 +22,7 @@ LARGE = 4 * SAMPLE + 12345  # above this the sampled candidate pass runs
 
 
 def contract_set(x: np.ndarray, k: int) -> np.ndarray:
-    """The DESIGN §3 set written out independently: sort by (magnitude desc, position)."""
+    """The contract's set written out independently: sort by (magnitude desc, position)."""
     a = np.abs(x.astype(np.float64)) if x.dtype.kind == "f" else np.abs(x.astype(object))
     if x.dtype.kind == "f":
         a = np.where(np.isnan(a), np.inf, a)  # rank NaN above ...

@@ -1,4 +1,4 @@
-"""The HDF5 trace (DESIGN §6) of a short 4-rank run, and analyze.py on it."""
+"""The HDF5 trace (docs/design.md, Trace) of a short 4-rank run, and analyze.py on it."""
 from __future__ import annotations
 
 import json

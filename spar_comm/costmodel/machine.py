@@ -129,7 +129,7 @@ class Machine:
         return cls(**figures, select={k: tuple(v) for k, v in select.items()})
 
 
-#: A GPU cluster as the README predictions assume it: NVLink-class links
+#: A GPU cluster as the predictions in docs/costmodel.md assume it: NVLink-class links
 #: inside a node, a public-cloud network between nodes (the link speeds are
 #: meant to be overridden), memory passes at HBM speed (read and write, ~1 TB/s), and selection rates of
 #: GPU kernels (MSTopK: ~30 counting passes at ~1 TB/s; exact top-k by sort).

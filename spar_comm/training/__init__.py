@@ -1,4 +1,4 @@
-"""The training loop as a library (DESIGN §5) and its HDF5 trace (§6).
+"""The training loop as a library and its HDF5 trace (docs/design.md, Training loop and Trace).
 
     from spar_comm.training import TrainConfig, train
     summary = train(TrainConfig(algorithm="hitopk", density=0.01, ranks_per_node=2))

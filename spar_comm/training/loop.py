@@ -223,7 +223,7 @@ def default_epochs(dataset: str) -> int:
 
 def trace_attributes(config: TrainConfig, topology: Topology, model_name: str, dataset: str, model: Any,
                      shards: Shards, total: int) -> dict:
-    """The root attributes of the trace (DESIGN §6)."""
+    """The root attributes of the trace (docs/design.md, Trace)."""
     return dict(
         model=model_name, dataset=dataset,
         version=__version__, world_size=topology.world.size, nodes=topology.num_nodes,

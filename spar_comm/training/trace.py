@@ -1,4 +1,4 @@
-"""The HDF5 trace of a run (DESIGN §6): per-step, per-rank records gathered
+"""The HDF5 trace of a run (docs/design.md, Trace): per-step, per-rank records gathered
 to rank 0 every few steps and appended there, flushed after each append.
 
 The file is in SWMR mode from its creation on, so ``analyze.py --follow`` can
@@ -188,7 +188,7 @@ class Trace:
 
 def check_trace(f: h5py.File, world: Optional[int] = None) -> None:
     """Raise BadFileError unless ``f`` holds what a reader of a trace uses
-    (the root attributes, and every dataset of DESIGN §6 with the dtype and
+    (the root attributes, and every dataset of the trace schema with the dtype and
     shape it should have), written by ``world`` ranks where given."""
     saved = attribute(f, "world_size", int)
     if world is not None and saved != world:
