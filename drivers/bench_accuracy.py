@@ -6,8 +6,8 @@ Sparsification trades accuracy for bytes; the aids of Deep Gradient
 Compression (momentum correction and masking, density warm-up, local
 clipping) are meant to buy it back. This program answers how much of it they
 buy back on one workload: for every --densities value it trains --algorithm
-with the aids as train.py sets them by default ("aids on") and with all of
-them off ("aids off"), and it trains dense, each with every --seeds value,
+with each --aids set (by default: as train.py sets them, "aids on", and all
+of them off, "aids off"), and it trains dense, each with every --seeds value,
 all on the same ranks and emulated nodes. One line per cell: mean, standard
 deviation, lowest and highest final held-out accuracy, and the mean's
 distance from dense in points. JSON goes to --out after every run, so a
@@ -15,6 +15,7 @@ killed sweep keeps what it measured.
 
     mpiexec -n 4 python drivers/bench_accuracy.py --out accuracy.json
     mpiexec -n 4 python drivers/bench_accuracy.py --workload "--hidden 1024 --epochs 10" --seeds 0,1,2
+    mpiexec -n 4 python drivers/bench_accuracy.py --aids off,mc,mc+mask,mc+warmup --workload "--epochs 3"
 """
 from __future__ import annotations
 
@@ -45,7 +46,26 @@ from train import config_from, make_parser  # noqa: E402
 
 #: The aids switched off: what "aids off" changes of a TrainConfig.
 AIDS_OFF = dict(momentum_correction=False, momentum_masking=False, density_warmup=0, clip_norm=0.0)
+#: The aids a set such as "mc+warmup" may name; each named one is on, the others off.
+AID_PARTS = ("mc", "mask", "warmup")
 DENSE = "dense"
+
+
+def aid_set(text: str) -> str:
+    """An --aids item: "on" (train.py's defaults), "off", or aids of AID_PARTS joined by "+"."""
+    parts = text.split("+")
+    if text not in ("on", "off") and not (set(parts) <= set(AID_PARTS) and len(set(parts)) == len(parts)):
+        raise ValueError(text)
+    return text
+
+
+def aid_changes(name: str, base: TrainConfig) -> Dict:
+    """What the aid set ``name`` changes of ``base``."""
+    if name == "on":
+        return {}
+    parts = set(name.split("+")) if name != "off" else set()
+    return dict(AIDS_OFF, momentum_correction="mc" in parts, momentum_masking="mask" in parts,
+                density_warmup=base.density_warmup if "warmup" in parts else 0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=[0.01, 0.001, 0.0001], help="(default: 0.01,0.001,0.0001)")
     parser.add_argument("--algorithm", default="hitopk", choices=[a for a in ALGORITHMS if a != DENSE],
                         help="the sparse algorithm (default: %(default)s)")
+    parser.add_argument("--aids", type=comma_list(aid_set, lambda a: True, "on, off or a '+' of mc, mask, warmup"),
+                        default=["on", "off"], help="aid sets of every density: on (train.py's defaults), off, or "
+                        "aids joined by '+' (mc: momentum correction, mask: momentum masking, warmup: density "
+                        "warm-up), e.g. off,mc,mc+warmup (default: on,off)")
     parser.add_argument("--seeds", type=comma_list(int, lambda s: s >= 0, "an integer >= 0"), default=[0, 1, 2],
                         help="initial weights and data order of each run (default: 0,1,2)")
     parser.add_argument("--workload", default="",
@@ -80,18 +104,18 @@ def base_config(workload: str) -> TrainConfig:
 
 
 def cells(args: argparse.Namespace) -> List[Dict]:
-    """Every run: dense first, then each density with the aids on and off, each seed."""
+    """Every run: dense first, then each density with each aid set, each seed."""
     runs = [{"cell": DENSE, "algorithm": DENSE, "density": 1.0, "aids": None}]
     for d in args.densities:
         runs += [{"cell": f"{args.algorithm} {d:g} aids {state}", "algorithm": args.algorithm, "density": d,
-                  "aids": state} for state in ("on", "off")]
+                  "aids": state} for state in args.aids]
     return [{**run, "seed": seed} for run in runs for seed in args.seeds]
 
 
 def run_cell(base: TrainConfig, cell: Dict, comm: MPI.Comm) -> Dict:
     changes = dict(algorithm=cell["algorithm"], density=cell["density"], seed=cell["seed"])
-    if cell["aids"] == "off":
-        changes.update(AIDS_OFF)
+    if cell["aids"]:
+        changes.update(aid_changes(cell["aids"], base))
     summary = train(dataclasses.replace(base, **changes), comm)
     return {**cell, "final_metric": summary.test_metric, "train_loss": summary.train_loss, "steps": summary.steps,
             "wall": summary.wall}
@@ -103,12 +127,12 @@ def table(runs: List[Dict]) -> str:
     for run in runs:
         groups.setdefault(run["cell"], []).append(run["final_metric"])
     dense = statistics.fmean(groups[DENSE]) if DENSE in groups else None
-    lines = [f"{'cell':<28} {'mean':>7} {'std':>7} {'min':>7} {'max':>7} {'vs dense':>9} {'seeds':>5}"]
+    lines = [f"{'cell':<34} {'mean':>7} {'std':>7} {'min':>7} {'max':>7} {'vs dense':>9} {'seeds':>5}"]
     for cell, values in groups.items():
         mean = statistics.fmean(values)
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         gap = f"{100 * (mean - dense):+8.2f}p" if dense is not None and cell != DENSE else f"{'-':>9}"
-        lines.append(f"{cell:<28} {mean:7.4f} {spread:7.4f} {min(values):7.4f} {max(values):7.4f} {gap} {len(values):>5}")
+        lines.append(f"{cell:<34} {mean:7.4f} {spread:7.4f} {min(values):7.4f} {max(values):7.4f} {gap} {len(values):>5}")
     return "\n".join(lines)
 
 

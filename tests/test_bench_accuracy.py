@@ -51,7 +51,21 @@ def test_the_table_gives_mean_spread_and_distance_from_dense():
     assert sparse[4:] == ["0.9300", f"{statistics.stdev([0.90, 0.94, 0.95]):.4f}", "0.9000", "0.9500", "-4.00p", "3"]
 
 
+def test_an_aid_set_switches_on_what_it_names_and_off_the_rest():
+    base = bench_accuracy.TrainConfig(clip_norm=2.0, density_warmup=3)
+    assert bench_accuracy.aid_changes("on", base) == {}
+    off = bench_accuracy.aid_changes("off", base)
+    assert off == bench_accuracy.AIDS_OFF
+    both = bench_accuracy.aid_changes("warmup+mc", base)
+    assert (both["momentum_correction"], both["momentum_masking"], both["density_warmup"], both["clip_norm"]) == \
+        (True, False, 3, 0.0)
+    masked = bench_accuracy.aid_changes("mc+mask", base)
+    assert (masked["momentum_correction"], masked["momentum_masking"], masked["density_warmup"]) == (True, True, 0)
+
+
 @pytest.mark.parametrize("args, words", [
+    (["--aids", "on,mc+nope"], "--aids"),
+    (["--aids", "mc+mc"], "--aids"),
     (["--workload", "--density 0.5"], "--workload sets --density"),
     (["--workload=--seed=3"], "--workload sets --seed"),
     (["--workload", "--epochs -1"], "epochs"),
