@@ -130,6 +130,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     else:
         group.broadcast(params, xp)
     method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
+    if allreduce.sparse and warmup(0) != config.density:  # say what the first epochs sent
+        method += f" (warm-up from {warmup(0):g} over {warmup.epochs} epochs)"
     setup = (
         f"{method}, {model_name} "
         f"({model.layout.size:,} parameters) on {data.name}, {topology.describe().split(';')[0]}"
