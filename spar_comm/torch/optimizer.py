@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .collectives import make_allreducer
-from .consensus import raise_if_any
-from .errors import ConfigError, SparCommError
-from .launch import abort_job
-from .topology import Topology
+from ..collectives import make_allreducer
+from ..consensus import raise_if_any
+from ..errors import ConfigError, SparCommError
+from ..launch import abort_job
+from ..topology import Topology
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "rank", "size"]
 
