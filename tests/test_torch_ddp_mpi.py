@@ -250,3 +250,25 @@ def test_a_nan_on_one_rank_is_an_error_on_every_rank(topology):
         grads[1][3] = np.nan
     with pytest.raises(Exception, match=f"rank {COMM.size - 1}: non-finite"):
         ddp(grads).backward()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_hook_on_the_gpu_path_gives_the_cpu_paths_bits(topology):
+    """The hook on ``gpu-simulator`` (CUDA tensors on a GPU machine): DDP's
+    buckets through the device path give the CPU hook's bits, rebuild included."""
+    pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
+    from test_gpu_path_mpi import gpu_device
+
+    gpu = Topology(device=gpu_device())
+    device = "cuda" if gpu_device() == "gpu" else "cpu"
+    runs = [(hooked(Chosen(order=list(reversed(range(len(SHAPES))))).to(where), "hitopk", density=0.05,
+                    topology=t)[0], where) for t, where in ((topology, "cpu"), (gpu, device))]
+    for step in range(2):  # the first layout, then the rebuilt one
+        grads = chosen_grads(17, step)[COMM.rank]
+        seen = []
+        for ddp, where in runs:
+            ddp.zero_grad()
+            ddp([g.to(where) for g in grads]).backward()
+            seen.append(flat(p.grad.cpu() for p in ddp.parameters()))
+        assert_all(COMM, np.array_equal(*seen), f"step {step}: the GPU path's gradients differ")
+    gpu.free()
