@@ -12,9 +12,9 @@ CUDA tensors go through the allreducers' GPU path, ordered by CUDA events
 (``streams.py``). torch is imported only in this package.
 """
 from .ddp import HookState, comm_hook
-from .optimizer import (STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters, rank,
-                        size)
+from .optimizer import (STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
+                        local_device, rank, size)
 from .process_group import init_process_group
 
 __all__ = ["DistributedOptimizer", "HookState", "STATE_FORMAT", "broadcast_optimizer_state", "broadcast_parameters",
-           "comm_hook", "init_process_group", "rank", "size"]
+           "comm_hook", "init_process_group", "local_device", "rank", "size"]

@@ -41,12 +41,14 @@ from mpi4py import MPI
 
 from ..collectives import make_allreducer
 from ..consensus import raise_if_any
+from ..device import device_index
 from ..errors import ConfigError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "rank", "size"]
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "local_device", "rank",
+           "size"]
 
 #: The dtypes the allreducers take.
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -307,6 +309,18 @@ def rank() -> int:
 def size() -> int:
     """The number of ranks in MPI.COMM_WORLD."""
     return MPI.COMM_WORLD.size
+
+
+def local_device() -> torch.device:
+    """This rank's GPU as the GPU path picks it (its place among the ranks of
+    its host, modulo the device count), or the CPU when CUDA is not available.
+    Collective over MPI.COMM_WORLD."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.rank)
+    index = device_index(host.rank, torch.cuda.device_count())
+    host.Free()
+    return torch.device("cuda", index)
 
 
 def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it makes, as in Horovod)
