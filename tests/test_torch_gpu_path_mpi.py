@@ -5,8 +5,9 @@ with the stream and event operations doing nothing, and must give the CPU
 path's bits: every algorithm, overlap on and off, and a resume. With
 ``NUMBA_ENABLE_CUDASIM=0`` on a GPU machine the same tests run on CUDA tensors.
 
-The simulator is slow: one node layout per world size (the launch's
-``SPAR_COMM_RANKS_PER_NODE``), a small model, few steps."""
+The simulator is slow: under it this runs at 3 ranks only (nodes of 2 and
+1 in ``make test``: the uneven layout, and a rank alone on its node), at the
+launch's node layout, on a small model for few steps; on a GPU at any size."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,11 +21,14 @@ import spar_comm.torch as sct  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from spar_comm import ALGORITHMS, ConfigError, NonFiniteGradientError, Topology  # noqa: E402
 from spar_comm.torch.streams import CudaStreams, NoStreams, tensor_device  # noqa: E402
+from numba import config as numba_config  # noqa: E402
 from test_gpu_path_mpi import gpu_device  # noqa: E402
 from test_torch_mpi import Controlled, digits_like, rank_grads, small_net  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(numba_config.ENABLE_CUDASIM and COMM.size != 3,
+                                reason="under the simulator: 3 ranks only")
 
 
 @pytest.fixture(scope="module")
