@@ -452,7 +452,7 @@ def _device_problem(named: List, memory: Any) -> Optional[str]:
             continue
         if memory.name == "gpu" and p.device.type == "cuda":
             return (f"parameter {name!r} is on {p.device}, but this rank's GPU is {want} (its place on its host "
-                    "modulo the device count): put the model there, e.g. torch.cuda.set_device first")
+                    "modulo the device count): put the model there, model.to(spar_comm.torch.local_device())")
         if memory.name == "gpu":
             return f"parameter {name!r} is on {p.device}; a topology on the GPU takes parameters on {want}"
         if p.device.type == "cuda":
