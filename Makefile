@@ -57,12 +57,28 @@ test-mpi: $(STAMP) $(FW_STAMP)
 # On a machine with a GPU, CuPy and numba-cuda (not part of `make test`): the
 # device kernels on CuPy arrays, then the GPU path of every allreducer with
 # GPU_RANKS ranks sharing the GPUs (staged, and CUDA-aware where MPI is).
+# The torch suites run there on CUDA tensors (DistributedOptimizer, the DDP hook).
+# CUDASIM=1 runs the same under the simulator (gpu-check's simulated mode).
 GPU_RANKS ?= 2
+CUDASIM ?= 0
+GPU_SERIAL_TESTS ?= tests/test_device_select.py tests/test_memory.py tests/test_torch_units.py
+GPU_TESTS ?= tests/test_gpu_path_mpi.py tests/test_torch_gpu_path_mpi.py tests/test_torch_ddp_mpi.py
 .PHONY: test-gpu
 test-gpu:
-	NUMBA_ENABLE_CUDASIM=0 $(PY) -m pytest -q -p no:cacheprovider tests/test_device_select.py tests/test_memory.py
-	NUMBA_ENABLE_CUDASIM=0 SPAR_COMM_RANKS_PER_NODE=$(GPU_RANKS) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m pytest \
-	    --with-mpi -m mpi -q -p no:cacheprovider tests/test_gpu_path_mpi.py
+	NUMBA_ENABLE_CUDASIM=$(CUDASIM) $(PY) -m pytest -q -p no:cacheprovider $(GPU_SERIAL_TESTS)
+	NUMBA_ENABLE_CUDASIM=$(CUDASIM) SPAR_COMM_RANKS_PER_NODE=$(GPU_RANKS) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m pytest \
+	    --with-mpi -m mpi -q -p no:cacheprovider --timeout=300 $(GPU_TESTS)
+
+# Everything that needs a GPU, in one command of under 10 minutes, on a GPU
+# machine whose python3 has CUDA torch, CuPy, numba-cuda and mpi4py (and the
+# wheels drivers/fetch_gpu_wheels.sh downloads): make test-gpu at 1, 2 and 4
+# ranks, the benchmarks, the training drivers on the GPU. Reports in OUT:
+# gpu-check.json and gpu-check.md. `make test` runs its simulated mode.
+OUT ?= gpu-check
+GPU_PYTHON ?= $(PYTHON)
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PYTHON) drivers/gpu_check.py --out $(OUT)
 
 .PHONY: test-scale
 test-scale: $(STAMP) $(FW_STAMP)

@@ -10,7 +10,8 @@ setup(
     version="0.1.0",
     description="Top-k sparsified gradient allreduce (MSTopK, HiTopKComm) on mpi4py",
     python_requires=">=3.9",
-    packages=["spar_comm", "spar_comm.collectives", "spar_comm.costmodel", "spar_comm.kernels", "spar_comm.training"],
+    packages=["spar_comm", "spar_comm.collectives", "spar_comm.costmodel", "spar_comm.kernels", "spar_comm.torch",
+              "spar_comm.training"],
     package_dir={"spar_comm": "spar_comm", "spar_comm.kernels": "kernels"},
     package_data={"spar_comm.kernels": ["*.cu"]},
     install_requires=[

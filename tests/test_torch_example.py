@@ -19,6 +19,12 @@ def test_the_change_to_a_plain_script_is_about_five_marked_lines():
     assert 5 <= len(marked) <= 8, marked
 
 
+def test_the_ddp_example_changes_a_plain_ddp_script_in_a_few_marked_lines():
+    marked = [line for line in (ROOT / "drivers" / "train_ddp.py").read_text().splitlines()
+              if line.rstrip().endswith("# spar_comm")]
+    assert 3 <= len(marked) <= 5, marked
+
+
 def test_the_example_trains_on_two_ranks():
     run = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(SCRIPT), "--algorithm", "hitopk",
                           "--epochs", "3", "--density", "0.1"], cwd=ROOT, capture_output=True, text=True, timeout=180)

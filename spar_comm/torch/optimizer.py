@@ -17,7 +17,15 @@ while backward goes on. Buckets start in index order on every rank whatever
 order their gradients arrive in, so the collectives of all ranks match. The
 averaged gradient is written back into each parameter's ``.grad``.
 
-torch is imported only here. CPU tensors only, until the GPU path exists.
+Parameters on the rank's GPU (``cuda:i``, i its place on its host modulo the
+device count) make buckets and allreducers on the GPU (``Topology(device=
+"gpu")`` unless a topology is given): the gradients never leave the device
+except through the allreducer's staging or a CUDA-aware MPI. Ordering is by
+CUDA events (``streams.py``): each gradient hook records one on the stream
+that produced the gradient, the bucket's communication waits for them on a
+stream of its own, and ``synchronize()`` makes the caller's stream wait for
+the communication. Under ``Topology(device="gpu-simulator")`` the same code
+runs on CPU tensors with those operations doing nothing.
 """
 from __future__ import annotations
 
@@ -31,17 +39,17 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .collectives import make_allreducer
-from .consensus import raise_if_any
-from .errors import ConfigError, SparCommError
-from .launch import abort_job
-from .topology import Topology
+from ..collectives import make_allreducer
+from ..consensus import raise_if_any
+from ..device import device_index
+from ..errors import ConfigError, SparCommError
+from ..launch import abort_job
+from ..topology import Topology
+from .streams import NoStreams, as_tensor, streams_for, tensor_device
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "rank", "size"]
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "local_device", "rank",
+           "size"]
 
-#: Where CUDA tensors go instead (the optimizer's buckets and overlap thread have
-#: not been written for CUDA streams).
-_ON_GPU = "for CUDA tensors use an allreducer on Topology(device='gpu'), which takes them through DLPack"
 #: The dtypes the allreducers take.
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 #: ``state_dict()["spar_comm"]["format"]``: bumped when the layout of the entry changes.
@@ -59,8 +67,9 @@ class _Bucket:
         self.names = [name for name, _ in entries]
         self.params = [p for _, p in entries]
         self.reducer = reducer
-        # Assembled where the allreducer reads it (the node's shared memory for hitopk/hier_dense).
-        self.flat = torch.from_numpy(reducer.buffer)
+        # Assembled where the allreducer reads it (the node's shared memory for
+        # hitopk/hier_dense; GPU memory on the GPU).
+        self.flat = as_tensor(reducer.buffer)
         self.views: List[torch.Tensor] = []
         start = 0
         for p in self.params:
@@ -70,6 +79,8 @@ class _Bucket:
         self.waiting = len(self.params)
         self.ready = False
         self.times: Dict[str, float] = {}
+        self.produced: List[Any] = []  # events after which the gradients are final
+        self.finished: Any = None  # event after which ``.grad`` holds the result
 
     def signature(self) -> List[Tuple[str, Tuple[int, ...], str]]:
         return _signature(zip(self.names, self.params))
@@ -79,15 +90,20 @@ class _Bucket:
         self.waiting = len(self.params)
         self.ready = False
         self.times = {}
+        self.produced = []
+        self.finished = None
 
-    def reduce(self) -> None:
-        """Gather the gradients, allreduce in place, write the result back."""
+    def reduce(self, streams: NoStreams) -> None:
+        """Gather the gradients, allreduce in place, write the result back: on
+        the communication stream, once the gradients' producers are done."""
         self.times["start"] = time.perf_counter()
-        for view, p in zip(self.views, self.params):
-            view.copy_(p.grad)
-        self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer)
-        for view, p in zip(self.views, self.params):
-            p.grad.copy_(view)
+        with streams.communicating(self.produced):
+            for view, p in zip(self.views, self.params):
+                view.copy_(p.grad)
+            self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer)
+            for view, p in zip(self.views, self.params):
+                p.grad.copy_(view)
+            self.finished = streams.finished()
         self.times["end"] = time.perf_counter()
 
 
@@ -98,7 +114,8 @@ class _DistributedOptimizer:
                     selector: str, topology: Optional[Topology], bucket_cap_mb: float,
                     backward_passes_per_step: int, dense: Sequence[Any], overlap: bool,
                     error_feedback: bool) -> None:
-        self.topology = topology or Topology()
+        self.topology = topology
+        self._streams = streams_for(topology.memory)
         world = self.topology.world
         self.backward_passes_per_step = backward_passes_per_step
         planned = _bucket_entries(named, dense, bucket_cap_mb)
@@ -135,6 +152,9 @@ class _DistributedOptimizer:
             if bucket.passes[i] > self.backward_passes_per_step:
                 self._problems |= _TOO_MANY_PASSES  # agreed and raised at synchronize()
             elif bucket.passes[i] == self.backward_passes_per_step:
+                event = self._streams.produced()
+                if event is not None:
+                    bucket.produced.append(event)
                 bucket.waiting -= 1
                 if bucket.waiting == 0:
                     self._mark_ready(bucket)
@@ -170,7 +190,7 @@ class _DistributedOptimizer:
                 self._done.set()
                 return
             try:
-                job.reduce()
+                job.reduce(self._streams)
             except SparCommError as error:  # raised on every rank alike by the allreducer
                 self._errors.append(error)
         except BaseException:
@@ -186,6 +206,9 @@ class _DistributedOptimizer:
             for p in bucket.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            event = self._streams.produced()
+            if event is not None:
+                bucket.produced.append(event)
             bucket.ready = True
         started = time.perf_counter()
         while self._next < len(self.buckets):
@@ -200,6 +223,8 @@ class _DistributedOptimizer:
             self._done.wait()
         self.last_wait = time.perf_counter() - started
         self._done.clear()
+        for bucket in self.buckets:
+            self._streams.consume(bucket.finished)
         errors, problems = self._errors, int(self._flags[0])
         self._errors, self._problems, self._next, self._in_flight = [], 0, 0, False
         for bucket in self.buckets:
@@ -286,6 +311,18 @@ def size() -> int:
     return MPI.COMM_WORLD.size
 
 
+def local_device() -> torch.device:
+    """This rank's GPU as the GPU path picks it (its place among the ranks of
+    its host, modulo the device count), or the CPU when CUDA is not available.
+    Collective over MPI.COMM_WORLD."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.rank)
+    index = device_index(host.rank, torch.cuda.device_count())
+    host.Free()
+    return torch.device("cuda", index)
+
+
 def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it makes, as in Horovod)
     optimizer: torch.optim.Optimizer,
     named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
@@ -314,11 +351,13 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     instead of ``optimizer`` from now on. Bad or disagreeing settings raise
     ConfigError on every rank.
     """
-    topology = topology or Topology()
     named, problem = _named_parameters(optimizer, named_parameters)
     if problem is None:
         problem = _settings_problem(named, dense, bucket_cap_mb, backward_passes_per_step)
-    raise_if_any(topology.world, problem)
+    raise_if_any(MPI.COMM_WORLD if topology is None else topology.world, problem)
+    if topology is None:
+        topology = Topology(device="gpu" if named[0][1].device.type == "cuda" else "cpu")
+    raise_if_any(topology.world, _device_problem(named, topology.memory))
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
@@ -339,14 +378,12 @@ def broadcast_parameters(module: Any, root: int = 0, comm: Optional[MPI.Comm] = 
     problem = None
     if layout != reference:
         problem = f"its tensors differ from rank {root}'s: {_first_difference(layout, reference)}"
-    elif any(t.device.type != "cpu" for _, t in named):
-        problem = f"spar_comm.torch takes CPU tensors; {_ON_GPU}"
     raise_if_any(comm, problem)
     with torch.no_grad():
         for _, tensor in named:
-            host = tensor.detach().contiguous()
+            host = tensor.detach().to("cpu").contiguous()  # a GPU tensor goes through the host: once, at start-up
             comm.Bcast(host.numpy(), root=root)
-            if host.data_ptr() != tensor.data_ptr():
+            if tensor.device.type != "cpu" or host.data_ptr() != tensor.data_ptr():
                 tensor.copy_(host)
 
 
@@ -400,8 +437,28 @@ def _settings_problem(named: List, dense: Sequence[Any], bucket_cap_mb: Any, pas
     for name, p in named:
         if p.dtype not in _DTYPES:
             return f"parameter {name!r} is {p.dtype}; the allreducers take float32 and float64"
-        if p.device.type != "cpu":
-            return f"parameter {name!r} is on {p.device}: spar_comm.torch takes CPU tensors; {_ON_GPU}"
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        return f"the parameters are on several devices ({', '.join(devices)}): put the model on one"
+    return None
+
+
+def _device_problem(named: List, memory: Any) -> Optional[str]:
+    """Whether the parameters are where the topology's allreducers work: the
+    rank's GPU for ``gpu``, the CPU for ``cpu`` and ``gpu-simulator``."""
+    want = tensor_device(memory)
+    for name, p in named:
+        if p.device == want:
+            continue
+        if memory.name == "gpu" and p.device.type == "cuda":
+            return (f"parameter {name!r} is on {p.device}, but this rank's GPU is {want} (its place on its host "
+                    "modulo the device count): put the model there, model.to(spar_comm.torch.local_device())")
+        if memory.name == "gpu":
+            return f"parameter {name!r} is on {p.device}; a topology on the GPU takes parameters on {want}"
+        if p.device.type == "cuda":
+            return (f"parameter {name!r} is on {p.device}; a topology on {memory.name} takes CPU tensors "
+                    "(CUDA parameters need Topology(device='gpu'), the default when no topology is given)")
+        return f"parameter {name!r} is on {p.device}; a topology on {memory.name} takes CPU tensors"
     return None
 
 

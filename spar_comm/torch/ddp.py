@@ -1,0 +1,300 @@
+"""A communication hook for ``DistributedDataParallel``: DDP's buckets reduced
+by spar_comm's allreducers.
+
+    state, hook = sct.comm_hook("hitopk", density=0.001)
+    ddp_model.register_comm_hook(state, hook)      # before the first backward
+
+Each DDP bucket gets its own allreducer, built on the bucket's first call.
+The hook hands the bucket to a communication thread and returns a
+``torch.futures.Future`` at once, so reduction overlaps backward. The thread
+reduces buckets in index order, whatever order DDP calls the hook in, so the
+MPI collectives of all ranks match (a hook that starts collectives as
+buckets arrive can mismatch them on gloo). On CUDA tensors the bucket is
+reduced on a stream of its own after an event of the producing stream, and
+the future carries the end of that work to DDP (``streams.py``).
+
+Residuals live per parameter, so that they survive DDP's bucket rebuild
+after the first iteration. A parameter's coordinate is where DDP put it in
+the first iteration of the process (bucket index, position in the bucket),
+which depends only on the model and DDP's settings, not on the run, so a
+fresh process resuming a checkpoint finds each parameter's residual again.
+When a bucket is built, a parameter's residual goes into the allreducer
+where that rank's allreducer keeps residuals for those positions; what lies
+elsewhere (the bucket layout changed) is carried: added to the rank's next
+gradient of that parameter, which conserves it (the allreducer sums ranks'
+gradients before selecting).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..collectives import make_allreducer
+from ..consensus import raise_if_any, require_same
+from ..errors import SparCommError
+from ..launch import abort_job
+from ..topology import Topology
+from .streams import NoStreams, as_tensor, streams_for
+
+#: ``HookState.state_dict()["format"]``: bumped when the layout changes.
+HOOK_STATE_FORMAT = 1
+#: A parameter's coordinate: (bucket index, position) in the process's first iteration.
+Coordinate = Tuple[int, int]
+
+
+class _Job:
+    """One call of the hook: a bucket to reduce and the future to complete."""
+
+    def __init__(self, bucket: Any, future: torch.futures.Future, produced: Any):
+        self.index = bucket.index()
+        self.is_last = bucket.is_last()
+        self.buffer: torch.Tensor = bucket.buffer()
+        self.params: List[torch.Tensor] = list(bucket.parameters())
+        self.future = future
+        self.produced = [] if produced is None else [produced]
+
+
+class _Bucket:
+    """A DDP bucket's allreducer and where its parameters lie in the buffer."""
+
+    def __init__(self, params: List[torch.Tensor], reducer: Any):
+        self.params = params
+        self.key = [id(p) for p in params]
+        self.reducer = reducer
+        self.offsets = np.cumsum([0] + [p.numel() for p in params]).tolist()
+
+    def residual_of(self, i: int, full: Any) -> Any:
+        """Parameter ``i``'s part of a bucket-sized array."""
+        return full[self.offsets[i] : self.offsets[i + 1]]
+
+
+class HookState:
+    """The hook's state: one allreducer per DDP bucket, and the residuals.
+
+    ``state_dict()`` / ``load_state_dict()`` carry every rank's residuals in
+    parameter coordinates (see the module's docstring); both are collective
+    and called between iterations."""
+
+    def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology],
+                 error_feedback: bool):
+        self.algorithm, self.density, self.selector = algorithm, density, selector
+        self.error_feedback = error_feedback
+        self.topology = topology
+        self._comm: MPI.Comm = MPI.COMM_WORLD if topology is None else topology.world
+        self._streams: NoStreams = NoStreams() if topology is None else streams_for(topology.memory)
+        self.buckets: Dict[int, _Bucket] = {}
+        self._coordinates: Dict[int, Coordinate] = {}  # id(parameter) -> coordinate
+        self._carry: Dict[int, torch.Tensor] = {}  # id(parameter) -> residual held outside any allreducer
+        self._loaded: Dict[Coordinate, np.ndarray] = {}  # residuals loaded, waiting for their parameter
+        self._jobs: "queue.Queue[_Job]" = queue.Queue()
+        self._waiting: Dict[int, _Job] = {}
+        self._next = 0  # the bucket index to reduce next
+        self._busy = 0  # jobs handed over and not yet done with
+        self._idle = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- the hook (autograd's thread) ----------------------------------------------------
+    def submit(self, bucket: Any) -> torch.futures.Future:
+        buffer = bucket.buffer()
+        if self._thread is None:
+            if self.topology is None:  # collective, on every rank's first bucket (index order or not)
+                self.topology = Topology(device="gpu" if buffer.is_cuda else "cpu")
+                self._streams = streams_for(self.topology.memory)
+            self._thread = threading.Thread(target=self._serve, name="spar_comm-ddp-hook", daemon=True)
+            self._thread.start()
+        future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
+        with self._idle:
+            self._busy += 1
+        self._jobs.put(_Job(bucket, future, self._streams.produced()))
+        return future
+
+    # -- the communication thread ---------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            self._waiting[job.index] = job
+            while self._next in self._waiting:
+                ready = self._waiting.pop(self._next)
+                self._next = 0 if ready.is_last else self._next + 1
+                self._run(ready)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            with self._streams.communicating(job.produced):
+                if job.is_last:
+                    self._retire(lambda index: index > job.index)  # buckets DDP no longer has
+                try:
+                    bucket = self._bucket(job)
+                    self._reduce(bucket, job)
+                    result = job.future.set_result, job.buffer
+                except SparCommError as error:  # raised on every rank alike
+                    result = job.future.set_exception, error
+                with self._idle:  # done with this job before DDP, woken by the future, may ask for the state
+                    self._busy -= 1
+                    self._idle.notify_all()
+                result[0](result[1])
+        except BaseException:
+            # Not agreed between ranks (a bug, memory): the others would wait for ever.
+            abort_job(self._comm, f"spar_comm.torch DDP hook, bucket {job.index}")
+
+    def _bucket(self, job: _Job) -> _Bucket:
+        """The allreducer of this bucket, built (collectively) when DDP's bucket
+        ``job.index`` is new or holds other parameters than before."""
+        for position, p in enumerate(job.params):
+            self._coordinates.setdefault(id(p), (job.index, position))
+        known = self.buckets.get(job.index)
+        if known is not None and known.key == [id(p) for p in job.params]:
+            return known
+        self._retire(lambda index: index == job.index)
+        require_same(self.topology.world, f"DDP bucket {job.index}",
+                     {"parameters": [(tuple(p.shape), str(p.dtype)) for p in job.params]})
+        reducer = make_allreducer(self.algorithm, self.topology, job.buffer.numel(),
+                                  str(job.buffer.dtype).replace("torch.", ""), self.density, self.selector,
+                                  error_feedback=self.error_feedback)
+        bucket = self.buckets[job.index] = _Bucket(job.params, reducer)
+        self._place(bucket)
+        return bucket
+
+    def _reduce(self, bucket: _Bucket, job: _Job) -> None:
+        """Add the carried residuals of the bucket's parameters, then allreduce in place."""
+        carried = [(i, self._carry[id(p)]) for i, p in enumerate(bucket.params) if id(p) in self._carry]
+        if carried:
+            grads = job.buffer.clone()  # the carry is dropped only once the allreduce took it
+            for i, values in carried:
+                bucket.residual_of(i, job.buffer).add_(values.to(job.buffer.dtype))
+        try:
+            array = job.buffer.numpy() if job.buffer.device.type == "cpu" else job.buffer
+            bucket.reducer.allreduce(array, out=array)
+        except SparCommError:
+            if carried:
+                job.buffer.copy_(grads)
+            raise
+        for i, p in carried:
+            del self._carry[id(bucket.params[i])]
+
+    # -- residuals in parameter coordinates ------------------------------------------------
+    def _place(self, bucket: _Bucket) -> None:
+        """Put the residuals loaded for the bucket's parameters where the new
+        allreducer keeps them; carry the rest. Collective (every rank builds
+        the same buckets at the same time)."""
+        if not self.error_feedback:
+            return
+        span, values = bucket.reducer.residual_state()
+        full = np.zeros(bucket.reducer.size, dtype=values.dtype)
+        problem = None
+        for i, p in enumerate(bucket.params):
+            saved = self._loaded.pop(self._coordinates[id(p)], None)
+            if saved is None:
+                continue
+            if saved.shape != (p.numel(),):
+                problem = (f"the hook state's residual at {self._coordinates[id(p)]} has {saved.size} values; "
+                           f"the parameter there has {p.numel()} (another model or DDP bucket size?)")
+                break
+            bucket.residual_of(i, full)[...] = saved
+        raise_if_any(self.topology.world, problem)
+        lo, hi = span
+        kept = full[lo:hi].copy()
+        full[lo:hi] = 0
+        bucket.reducer.load_residual_state(span, kept)
+        for i, p in enumerate(bucket.params):
+            rest = bucket.residual_of(i, full)
+            if rest.any():
+                self._add_carry(p, torch.from_numpy(rest.copy()))
+
+    def _retire(self, which: Callable[[int], bool]) -> None:
+        """Move the residuals of the buckets whose index ``which`` picks into the carry, and drop them."""
+        for index in [i for i in self.buckets if which(i)]:
+            bucket = self.buckets.pop(index)
+            if bucket.reducer.sparse and self.error_feedback:
+                full = as_tensor(bucket.reducer.residual_full())
+                for i, p in enumerate(bucket.params):
+                    values = bucket.residual_of(i, full)
+                    if bool(values.any()):
+                        self._add_carry(p, values.clone())
+            bucket.reducer.free()
+
+    def _add_carry(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        values = values.to(p.device)
+        self._carry[id(p)] = self._carry[id(p)] + values if id(p) in self._carry else values
+
+    def residuals(self) -> Dict[Coordinate, np.ndarray]:
+        """This rank's residual of every parameter it holds one for (allreducers
+        and carry, flat, in the gradient's dtype), by coordinate."""
+        out: Dict[Coordinate, np.ndarray] = {c: v.copy() for c, v in self._loaded.items()}
+        with self._streams.communicating([]):  # after the communication stream's work
+            for bucket in self.buckets.values():
+                if not bucket.reducer.sparse:
+                    continue
+                full = bucket.reducer.memory.to_host(bucket.reducer.residual_full())
+                for i, p in enumerate(bucket.params):
+                    out[self._coordinates[id(p)]] = bucket.residual_of(i, full).copy()
+            for key, values in self._carry.items():
+                coordinate = self._coordinates[key]
+                host = values.detach().cpu().numpy()
+                out[coordinate] = out[coordinate] + host if coordinate in out else host.copy()
+        return out
+
+    # -- the public interface --------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Every rank's residuals by parameter coordinate, so any rank's copy can
+        resume the job. Collective: every rank calls it, after backward."""
+        self._wait_idle()
+        everyone = self._comm.allgather(self.residuals())  # pickled: once per checkpoint
+        return {
+            "format": HOOK_STATE_FORMAT,
+            "world_size": self._comm.size,
+            "algorithm": self.algorithm,
+            "residuals": [{c: torch.from_numpy(v) for c, v in mine.items()} for mine in everyone],
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Take this rank's residuals from what ``state_dict()`` returned (by any
+        rank of a job of the same size). Each parameter's residual reaches the
+        allreducer of whichever bucket holds it next. Collective: a mismatch on
+        any rank raises ConfigError on every rank, before anything is loaded."""
+        self._wait_idle()
+        problem = _hook_state_problem(state, self._comm.size)
+        raise_if_any(self._comm, problem)
+        # What the state held is replaced: its allreducers are rebuilt on their
+        # buckets' next calls and take the loaded residuals then.
+        for bucket in self.buckets.values():
+            bucket.reducer.free()
+        self.buckets, self._carry = {}, {}
+        self._loaded = {tuple(c): np.array(torch.as_tensor(v).cpu().numpy()).ravel()
+                        for c, v in state["residuals"][self._comm.rank].items()}
+
+    def _wait_idle(self) -> None:
+        """Wait for the communication thread to finish the buckets handed to it
+        (the last ones complete their futures a moment before it is done)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0)
+
+
+def _hook_state_problem(state: Any, world_size: int) -> Optional[str]:
+    if not isinstance(state, dict) or state.get("format") != HOOK_STATE_FORMAT:
+        return (f"the hook state has no format {HOOK_STATE_FORMAT} entry (was it saved by "
+                "spar_comm.torch.comm_hook's state.state_dict()?)")
+    if state.get("world_size") != world_size or len(state.get("residuals", ())) != world_size:
+        return f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}"
+    return None
+
+
+def _hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks annotations against its own types; these would be strings)
+    """DDP's side: hand the bucket over, get its future."""
+    return state.submit(bucket)
+
+
+def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: str = "mstopk",
+              topology: Optional[Topology] = None, error_feedback: bool = True
+              ) -> Tuple[HookState, Callable[[HookState, Any], torch.futures.Future]]:
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's
+    buckets averaged by spar_comm's ``algorithm`` (one allreducer per bucket,
+    with error feedback unless turned off). ``topology`` defaults to one built
+    on the first bucket: on the GPU (``Topology(device="gpu")``) for CUDA
+    buckets, else on the CPU. Register it before the first backward."""
+    return HookState(algorithm, density, selector, topology, error_feedback), _hook

@@ -1,0 +1,52 @@
+"""drivers/gpu_check.py, the one command for a GPU machine: its simulated mode
+runs every kind of step without a GPU and writes both reports, and the
+performance targets it reports are computed from the benchmark's figures."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("torch")
+pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
+sys.path.insert(0, str(ROOT / "drivers"))
+import gpu_check  # noqa: E402
+
+
+def test_the_simulated_check_runs_every_kind_of_step_and_reports(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "drivers" / "gpu_check.py"), "--simulate", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("gpu-check on numba-cuda's CUDA simulator"), run.stdout
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    names = [s["name"] for s in report["steps"]]
+    for kind in ("make test-gpu", "bench_topk.py", "bench_comm.py", "train.py", "train_torch.py", "train_ddp.py"):
+        assert any(name.startswith(kind) for name in names), names
+    assert all(s["status"] == "passed" for s in report["steps"]), report["steps"]
+    assert {r["method"] for r in report["steps"][names.index("bench_topk.py")]["data"]["records"]} >= {"mstopk"}
+    text = (tmp_path / "gpu-check.md").read_text()
+    assert text.startswith("# GPU check: numba-cuda's CUDA simulator")
+    assert "| make test-gpu, 1 rank | passed |" in text and "## Allreduce, 2 ranks" in text
+
+
+def test_the_targets_come_from_the_largest_float32_figures():
+    def record(method, ms, exact=None, recall=None, n=1 << 26):
+        return {"n": n, "dtype": "float32", "density": 0.001, "method": method, "median_s": ms / 1e3,
+                "exact": exact, "recall": recall, "floor_multiple": ms / 0.2}
+
+    records = [record("torch.topk", 3.0), record("threshold", 0.5, True, 1.0), record("mstopk", 2.0, True, 1.0),
+               record("exact", 0.4, True, 1.0, n=1 << 20), record("floor", 0.2)]
+    lines = gpu_check.targets(records)
+    assert lines[0].startswith("- fastest exact selection at 2^26: `threshold`, 6.00x torch.topk")
+    assert "40% of the one-read bandwidth" in lines[0]
+    assert lines[1].startswith("- mstopk: 1.50x torch.topk")
+
+
+def test_a_bad_budget_is_refused(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "drivers" / "gpu_check.py"), "--out", str(tmp_path),
+                          "--budget", "5"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--budget must be more than" in run.stderr
