@@ -30,11 +30,11 @@ from spar_comm.costmodel import CPU, load
 from spar_comm.costmodel.calibrate import FORMAT as CALIBRATION_FORMAT
 from spar_comm.costmodel.calibrate import TOOL, measurements, read, topk_rates
 from spar_comm.errors import ConfigError
-from spar_comm.files import BadFileError
+from spar_comm.files import BadFileError, seal, stamp
 from spar_comm.training import TrainConfig, build_model
 from spar_comm.training.checkpoint import read_checkpoint
 from spar_comm.training.data import load_dataset
-from spar_comm.training.trace import read_trace
+from spar_comm.training.trace import GROWING, read_trace
 
 LIMIT = 120  # seconds a driver may take
 
@@ -123,9 +123,14 @@ def edit_json(change: Callable[[dict], None]) -> Callable[[Path], None]:
 
 
 def edit_hdf5(change: Callable[[h5py.File], None]) -> Callable[[Path], None]:
+    """An edit through h5py, with the checksums then made anew: the reader's
+    own checks, behind the checksums, must refuse it (test_checksums.py
+    covers an edit that leaves them as they were)."""
     def make(path: Path) -> None:
         with h5py.File(path, "a") as f:
             change(f)
+            seal(f, growing=GROWING.__contains__ if "checksums" in f else lambda name: False)
+        stamp(path)
     return make
 
 
@@ -165,7 +170,7 @@ SCHEMA = {
          edit_hdf5(lambda f: f.attrs.__setitem__("world_size", "two"))),
     ],
     "checkpoint": [
-        ("an empty HDF5 file", "missing attribute 'format'", an_hdf5_file),
+        ("an empty HDF5 file", "no checksum: a checkpoint of format 1 (or another program's", an_hdf5_file),
         ("version", "checkpoint format 7", edit_hdf5(lambda f: f.attrs.__setitem__("format", 7))),
         ("missing params", "missing dataset 'params/layer0.weight'", edit_hdf5(lambda f: f.__delitem__("params/layer0.weight"))),
         ("missing residual", "missing dataset 'residuals/rank1'", edit_hdf5(lambda f: f.__delitem__("residuals/rank1"))),
