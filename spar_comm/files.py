@@ -147,8 +147,23 @@ def _json_type(value: Any) -> str:
 # -- HDF5 -------------------------------------------------------------------------------
 #: Bytes before the HDF5 data (HDF5's user block) that hold the whole-file checksum.
 HEADER = 512
+#: Attributes an object holds in its header before HDF5 moves them to a heap.
+COMPACT_ATTRIBUTES = 1000
 #: How the header starts; the SHA-256 of every byte after the header follows, in hex.
 MAGIC = b"spar_comm sha256 "
+
+
+def create_hdf5(path: Any) -> h5py.File:
+    """A new HDF5 file to ``stamp`` when done: the latest format (checksummed
+    metadata), HEADER bytes before the HDF5 data, and the root's attributes
+    kept in its object header however many: HDF5 can loop forever reading a
+    damaged heap of attributes (their dense storage, past 8)."""
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    fcpl.set_userblock(HEADER)
+    fcpl.set_attr_phase_change(COMPACT_ATTRIBUTES, COMPACT_ATTRIBUTES)
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
 
 
 def stamp(path: Any) -> None:
@@ -291,7 +306,7 @@ def seal(f: h5py.File, growing: Callable[[str], bool] = lambda name: False) -> N
     (a group) or its dtype, shape and values (a dataset). Call it last."""
     for name, obj in _objects(f):
         if not growing(name):
-            obj.attrs[DIGEST] = _hdf5_digest(obj)
+            obj.attrs[DIGEST] = np.bytes_(_hdf5_digest(obj).encode())  # fixed length: see fixed_length_text
 
 
 def verify(f: h5py.File, keep: Sequence[str] = (), growing: Callable[[str], bool] = lambda name: False) -> dict:
@@ -307,11 +322,27 @@ def verify(f: h5py.File, keep: Sequence[str] = (), growing: Callable[[str], bool
         if saved is None:
             raise BadFileError(f.filename, f"{what} carries no checksum (attribute {DIGEST!r})")
         values = obj[()] if isinstance(obj, h5py.Dataset) else None
-        if (saved.decode("utf-8", "replace") if isinstance(saved, bytes) else saved) != _hdf5_digest(obj, values):
+        if not isinstance(saved, bytes) or saved.decode("ascii", "replace") != _hdf5_digest(obj, values):
             raise BadFileError(f.filename, f"{what} does not match its checksum: the file is damaged or was edited")
         if name in keep:
             kept[name] = values
     return kept
+
+
+def fixed_length_text(obj: Any) -> None:
+    """Store every text attribute of ``obj`` as fixed-length UTF-8 (read back
+    as bytes), in the object's header. Variable-length text lives in HDF5's
+    global heap, which carries no checksum, and HDF5 can loop forever reading
+    a damaged one."""
+    for key, value in list(obj.attrs.items()):
+        if isinstance(value, str):
+            obj.attrs[key] = np.bytes_(value.encode("utf-8"))
+
+
+def text_attributes(obj: Any) -> dict:
+    """``obj``'s attributes, fixed-length text decoded to str."""
+    return {key: value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            for key, value in obj.attrs.items()}
 
 
 def _objects(f: h5py.File) -> List[Tuple[str, Any]]:

@@ -282,13 +282,20 @@ def test_drivers_exit_2_with_one_message_naming_the_file(tmp_path, run_files, ki
     assert bad.read_bytes() == before
 
 
-@pytest.mark.parametrize("case", ["text", "cut short", "missing residual", "bad trace"])
+def flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 4
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["text", "cut short", "missing residual", "flipped bit", "bad trace"])
 def test_resume_from_a_bad_file_exits_2_on_every_rank_and_touches_nothing(tmp_path, run_files, case):
     checkpoint, trace = tmp_path / "ck.h5", tmp_path / "trace.h5"
     checkpoint.write_bytes(run_files[0].read_bytes())
     trace.write_bytes(run_files[1].read_bytes())
     bad = trace if case == "bad trace" else checkpoint
-    make = {"text": text(b"not a checkpoint"), "cut short": cut_short, "bad trace": text(b"not a trace")}.get(case)
+    make = {"text": text(b"not a checkpoint"), "cut short": cut_short, "flipped bit": flip_a_bit,
+            "bad trace": text(b"not a trace")}.get(case)
     (make or dict((c[0], c[2]) for c in SCHEMA["checkpoint"])[case])(bad)
     before = {path: path.read_bytes() for path in (checkpoint, trace)}
     result = run_driver("drivers/train.py", *FAST, "--steps", "20", "--checkpoint", checkpoint, "--trace", trace,

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import array_api_compat
-import h5py
 import numpy as np
 
 from .. import __version__
 from ..errors import ConfigError
-from ..files import HEADER, BadFileError, agree, attribute, dataset, finite, open_hdf5, seal, stamp, verify
+from ..files import BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify
 from .config import TrainConfig
 from .data import Shards
 from .distributed import FusedAllreduce, Group, to_host
@@ -55,7 +54,7 @@ def save_checkpoint(
     if group.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = path + ".tmp"
-        with h5py.File(tmp, "w", libver="latest", userblock_size=HEADER) as f:  # checksummed metadata too
+        with create_hdf5(tmp) as f:
             f.attrs.update(
                 format=FORMAT, version=__version__, step=step, world_size=group.size, config=config.to_json(),
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(),

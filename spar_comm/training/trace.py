@@ -28,7 +28,8 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..files import DIGEST, HEADER, BadFileError, attribute, dataset, finite, open_hdf5, seal, stamp, unstamp, verify
+from ..files import (DIGEST, BadFileError, attribute, create_hdf5, dataset, finite, fixed_length_text, open_hdf5, seal,
+                     stamp, text_attributes, unstamp, verify)
 
 PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "step")
 BYTES = ("intra", "inter")
@@ -113,7 +114,7 @@ class TraceWriter:
                 self._rebuild(path, world)
             self._truncate(resume_step)
         else:
-            self.file = h5py.File(path, "w", libver="latest", userblock_size=HEADER)
+            self.file = create_hdf5(path)
             self._create(world, attrs, hosts)
         self.file.swmr_mode = True
 
@@ -124,7 +125,8 @@ class TraceWriter:
         for key, value in attrs.items():
             f.attrs[key] = value
         f.attrs["format"] = FORMAT
-        f.create_dataset("hosts", data=np.array(hosts, dtype=h5py.string_dtype()))
+        fixed_length_text(f)  # nothing of a trace in HDF5's global heap
+        f.create_dataset("hosts", data=np.array([host.encode("utf-8") for host in hosts]))
         per_rank = dict(maxshape=(None, world), chunks=(256, world), fletcher32=True)
         per_step = dict(maxshape=(None,), chunks=(1024,), fletcher32=True)
         for name in PHASES:
@@ -146,7 +148,7 @@ class TraceWriter:
 
     def _rebuild(self, path: str, world: int) -> None:
         old = read_trace(path)
-        self.file = h5py.File(path + ".tmp", "w", libver="latest", userblock_size=HEADER)
+        self.file = create_hdf5(path + ".tmp")
         self._create(world, old.attrs, old.hosts)
         self._extend(old.data)
         self.file.close()
@@ -247,8 +249,8 @@ def check_trace(f: h5py.File, world: Optional[int] = None) -> int:
     (the root attributes, and every dataset of DESIGN §6 with the dtype and
     shape it should have), written by ``world`` ranks where given. Return
     its format: 2 when it carries checksums (checked by ``read_trace``)."""
-    version = attribute(f, "format", int) if "format" in f.attrs or DIGEST in f.attrs else 1
-    if version not in (1, FORMAT):
+    version = attribute(f, "format", int) if "format" in f.attrs or DIGEST in f.attrs else 1  # 1 had no attribute
+    if version != FORMAT and "format" in f.attrs:
         raise BadFileError(f.filename, f"trace format {version}; this version of spar_comm reads formats 1 and {FORMAT}")
     saved = attribute(f, "world_size", int)
     if saved < 1:
@@ -314,4 +316,4 @@ def read_trace(path: str) -> Trace:
         for name in [f"phases/{p}" for p in PHASES] + ["lr"]:
             finite(path, name, data[name])
         hosts = [h.decode("utf-8", "replace") if isinstance(h, bytes) else str(h) for h in f["hosts"][:]]
-        return Trace(path, dict(f.attrs), data, hosts)
+        return Trace(path, text_attributes(f), data, hosts)
