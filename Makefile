@@ -80,6 +80,15 @@ GPU_PYTHON ?= $(PYTHON)
 gpu-check:
 	$(GPU_PYTHON) drivers/gpu_check.py --out $(OUT)
 
+# The mutation fuzzer over checkpoints, traces, calibrations and benchmark JSON
+# (tests/fuzz_files.py): FUZZ_CASES cases from FUZZ_SEED, its figures printed;
+# it fails on any crash or silent corruption. `make test` runs a bounded count.
+FUZZ_CASES ?= 5000
+FUZZ_SEED  ?= 0
+.PHONY: fuzz
+fuzz: $(STAMP)
+	$(PY) tests/fuzz_files.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
+
 .PHONY: test-scale
 test-scale: $(STAMP) $(FW_STAMP)
 	$(PY) tests/run_scale.py --mpiexec $(MPIEXEC)

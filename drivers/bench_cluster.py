@@ -46,7 +46,8 @@ import numpy as np
 
 from spar_comm import ALGORITHMS, costmodel, emucluster
 from spar_comm.cli import comma_list, positive_int
-from spar_comm.files import BadFileError, Nullable, check, read_json
+from spar_comm.costmodel.calibrate import LARGEST_CLUSTER, LARGEST_SIZE, measurable
+from spar_comm.files import BadFileError, Nullable, check, read_json, write_json
 from spar_comm.kernels import SELECTORS
 from spar_comm.training.trace import read_trace
 
@@ -202,7 +203,7 @@ def time_to_accuracy_sweep(args: argparse.Namespace, document: dict) -> None:
                     document["time_to_accuracy"].append({"layout": f"{hosts}x{ranks}", "rate": rate, "repeat": repeat,
                                                          "workload": args.workload, "trace": keep, **run})
                     if args.out:
-                        _write(args.out, document)
+                        write_json(args.out, document)
         finally:
             emucluster.down(args.prefix)
 
@@ -267,8 +268,9 @@ def shaped_rates(records: list) -> list:
 
 def fitted_models(records: list, held_out) -> dict:
     """Per shaped link rate, the cost model fitted on the cells ``held_out`` rejects."""
-    return {rate: costmodel.fit([measurement(r) for r in records if r["rate"] == rate and not held_out(r)])
-            for rate in shaped_rates(records)}
+    fitted = {rate: [measurement(r) for r in records if r["rate"] == rate and not held_out(r)]
+              for rate in shaped_rates(records)}
+    return {rate: costmodel.fit(rows) for rate, rows in fitted.items() if rows}
 
 
 def model_check(records: list, held_out, models: dict) -> list:
@@ -387,7 +389,9 @@ def read_sweep(path: str) -> dict:
     for i, r in enumerate(document["records"]):
         if (r["algorithm"] not in ALGORITHMS or r["selector"] not in SELECTORS
                 or not emucluster.RATE.match(r["rate"]) or min(r["hosts"], r["ranks_per_host"], r["size"]) < 1
-                or not 0 < r["density"] <= 1 or not r["time_median"] > 0
+                or max(r["hosts"], r["ranks_per_host"]) >= LARGEST_CLUSTER or r["size"] >= LARGEST_SIZE
+                or not 0 < r["density"] <= 1 or not measurable(r["time_median"])
+                or not measurable(r["t_select"], zero=True)
                 or not (r.get("cores") is None or type(r["cores"]) is int and r["cores"] >= 1)):
             raise BadFileError(path, f"records[{i}] is not a cell this program measures: {r}")
     return document
@@ -482,7 +486,7 @@ def main() -> int:
                     document["records"] = records
                     document["bench_comm_meta"] = result["meta"]
                     if args.out:
-                        _write(args.out, document)
+                        write_json(args.out, document)
             if number == 0 and args.train:
                 spec = emucluster.reshape(spec, args.train_rate, "0us")
                 for algorithm in args.train:
@@ -490,24 +494,18 @@ def main() -> int:
                     run = time_to_accuracy(spec, algorithm, args.target, args.limit)
                     document["training"].append({"layout": f"{hosts}x{ranks}", "rate": args.train_rate, **run})
                     if args.out:
-                        _write(args.out, document)
+                        write_json(args.out, document)
         finally:
             emucluster.down(args.prefix)
     report(document, args.plot)
     if args.out:
-        _write(args.out, document)
+        write_json(args.out, document)
     return 0
 
 
 def _finite(value: float) -> Optional[float]:
     """JSON has no infinity: an unshaped link's rate is written as null."""
     return value if value < float("inf") else None
-
-
-def _write(path: str, document: dict) -> None:
-    temporary = path + ".tmp"
-    Path(temporary).write_text(json.dumps(document, indent=1))
-    os.replace(temporary, path)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 
 import numpy as np
@@ -37,6 +36,7 @@ from spar_comm import ALGORITHMS, Topology, make_allreducer
 from spar_comm.kernels import SELECTORS
 from spar_comm.cli import comma_list, density
 from spar_comm.consensus import raise_if_any
+from spar_comm.files import write_json
 from spar_comm.launch import run_main
 from spar_comm.memory import DEVICES
 
@@ -227,14 +227,6 @@ def main() -> int:
         if lead and args.out:
             write_json(args.out, {"meta": meta, "results": results})
     return 0
-
-
-def write_json(path: str, document: dict) -> None:
-    """Replace ``path`` atomically, so a reader never sees half a file."""
-    temporary = path + ".tmp"
-    with open(temporary, "w") as stream:
-        json.dump(document, stream, indent=1)
-    os.replace(temporary, path)
 
 
 if __name__ == "__main__":

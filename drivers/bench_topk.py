@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform
 import socket
@@ -44,6 +43,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from spar_comm.cli import comma_list, positive_int
+from spar_comm.files import write_json
 from spar_comm.kernels import SELECTORS, make_selector
 from spar_comm.kernels.selection import exact_topk
 
@@ -305,8 +305,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     records = bench(args)
     print(table(records))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"machine": {**machine(), **args.bench.describe()}, "records": records}, f, indent=1)
+        write_json(args.out, {"machine": {**machine(), **args.bench.describe()}, "records": records})
         print(f"wrote {len(records)} records to {args.out}")
     return 0
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import h5py
 import numpy as np
@@ -27,6 +28,11 @@ T = TypeVar("T")
 
 #: dtype kinds of HDF5 datasets, as ``numpy.dtype.kind`` letters, in words.
 KINDS = {"f": "floating point", "iu": "integer", "OSU": "text"}
+#: The key (JSON) or attribute (HDF5) that holds a SHA-256 digest of what it sits beside.
+DIGEST = "sha256"
+#: What h5py raises on a damaged file besides OSError: a bad checksum or heap
+#: surfaces as KeyError or RuntimeError, a bad datatype as TypeError or ValueError.
+HDF5_ERRORS = (OSError, KeyError, RuntimeError, TypeError, ValueError)
 
 
 class BadFileError(SparCommError, ValueError):
@@ -49,11 +55,39 @@ def read_json(path: Any) -> Any:
     except OSError as error:
         raise BadFileError(path, f"cannot read it ({error.strerror or error})") from None
     try:
-        return json.loads(raw)
+        document = json.loads(raw)
     except UnicodeDecodeError:
         raise BadFileError(path, "not JSON (not text)") from None
     except json.JSONDecodeError as error:
         raise BadFileError(path, f"not JSON, or cut short ({error.msg} at line {error.lineno})") from None
+    except RecursionError:
+        raise BadFileError(path, "not JSON this package writes (nested too deeply)") from None
+    except ValueError as error:  # an integer of more digits than Python converts
+        raise BadFileError(path, f"not JSON this package writes ({error})") from None
+    if isinstance(document, dict) and DIGEST in document:
+        document = dict(document)
+        saved = document.pop(DIGEST)
+        if saved != _json_digest(document):
+            raise BadFileError(path, f"the contents do not match their checksum ({DIGEST!r}): damaged or edited "
+                                     f"(a file edited by hand is read once its {DIGEST!r} key is removed)")
+    return document
+
+
+def write_json(path: Any, document: Any) -> None:
+    """Write ``document`` (a dict) with a checksum of its contents, which
+    ``read_json`` verifies: a damaged file is refused, not read as other
+    figures. ``path`` is replaced atomically: no reader sees half a file."""
+    plain = json.loads(json.dumps(document))  # what a reader will see: str keys, lists
+    temporary = os.fspath(path) + ".tmp"
+    with open(temporary, "w") as stream:
+        json.dump({**plain, DIGEST: _json_digest(plain)}, stream, indent=1)
+        stream.write("\n")
+    os.replace(temporary, path)
+
+
+def _json_digest(document: Any) -> str:
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class Nullable:
@@ -111,34 +145,123 @@ def _json_type(value: Any) -> str:
 
 
 # -- HDF5 -------------------------------------------------------------------------------
+#: Bytes before the HDF5 data (HDF5's user block) that hold the whole-file checksum.
+HEADER = 512
+#: Attributes an object holds in its header before HDF5 moves them to a heap.
+COMPACT_ATTRIBUTES = 1000
+#: How the header starts; the SHA-256 of every byte after the header follows, in hex.
+MAGIC = b"spar_comm sha256 "
+
+
+def create_hdf5(path: Any) -> h5py.File:
+    """A new HDF5 file to ``stamp`` when done: the latest format (checksummed
+    metadata), HEADER bytes before the HDF5 data, and the root's attributes
+    kept in its object header however many: HDF5 can loop forever reading a
+    damaged heap of attributes (their dense storage, past 8)."""
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    fcpl.set_userblock(HEADER)
+    fcpl.set_attr_phase_change(COMPACT_ATTRIBUTES, COMPACT_ATTRIBUTES)
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
+
+
+def stamp(path: Any) -> None:
+    """Write the whole-file checksum into the header of ``path``, a closed
+    HDF5 file created with ``userblock_size=HEADER``. Call it last."""
+    header = MAGIC + _file_digest(path).encode() + b"\n"
+    with open(path, "r+b") as stream:
+        stream.write(header.ljust(HEADER, b"\0"))
+
+
+def unstamp(path: Any) -> None:
+    """Clear the header of ``path`` before the file is changed in place; the
+    file then reads as one still being written, until ``stamp``."""
+    with open(path, "r+b") as stream:
+        stream.write(bytes(HEADER))
+
+
+def check_stamp(path: Any, unstamped: Optional[str] = None) -> None:
+    """Verify the whole-file checksum before HDF5 parses a byte of the file
+    (HDF5 can crash or loop on a damaged file). A file without one (still
+    being written, or of an older format) is read unchecked, or refused with
+    the problem ``unstamped`` where that is given."""
+    try:
+        with open(path, "rb") as stream:
+            header = stream.read(HEADER)
+    except OSError:
+        return  # open_hdf5 says why
+    if header.startswith(MAGIC):
+        saved = header[len(MAGIC):].split(b"\n")[0].decode("ascii", "replace")
+        if saved != _file_digest(path):
+            raise BadFileError(path, "the file does not match its checksum: it is damaged, cut short or was edited")
+        return
+    if header == bytes(HEADER):
+        if unstamped:
+            raise BadFileError(path, "the file carries no checksum: it was not completely written")
+        return
+    if not h5py.is_hdf5(path):
+        raise BadFileError(path, "not an HDF5 file")
+    if not header.startswith(b"\x89HDF\r\n\x1a\n"):
+        raise BadFileError(path, "the header that holds the file's checksum is damaged")
+    if unstamped:  # written before files carried checksums, or by another program
+        raise BadFileError(path, unstamped)
+
+
+def _file_digest(path: Any) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        stream.seek(HEADER)
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 @contextlib.contextmanager
-def open_hdf5(path: Any, live: bool = False) -> Iterator[h5py.File]:
+def open_hdf5(path: Any, live: bool = False, unstamped: Optional[str] = None) -> Iterator[h5py.File]:
     """``path`` opened read-only; refused when it is missing, not HDF5, cut
-    short or damaged (also when a read inside the block fails on that).
+    short or damaged (also when a read inside the block fails on that: any
+    error h5py raises there is taken for damage).
+
+    The whole-file checksum (``stamp``) is verified first where the file
+    carries one; ``unstamped``: the problem to refuse a file without one with.
 
     ``live``: the file may be one a running job is still writing (SWMR). It
-    is still opened plainly first where it can be: an SWMR reader skips
-    HDF5's check of the file's length and retries a cut-short file's
-    metadata reads for minutes.
+    is still opened plainly first where it can be, and as SWMR only when
+    HDF5 says it is open for writing: an SWMR reader skips HDF5's check of
+    the file's length and retries a damaged file's metadata reads for minutes.
     """
+    check_stamp(path, unstamped)
     try:
         f = h5py.File(path, "r", libver="latest")
-    except OSError as error:
+    except HDF5_ERRORS as error:
         if not os.path.isfile(path):
             raise BadFileError(path, f"cannot read it ({os.strerror(errno.EISDIR if os.path.isdir(path) else errno.ENOENT)})") from None
         if not h5py.is_hdf5(path):
             raise BadFileError(path, "not an HDF5 file") from None
-        if not live or "truncated" in str(error):
+        if not live or "already open for write" not in str(error):
             raise BadFileError(path, f"a damaged or cut-short HDF5 file ({error})") from None
         try:  # open for writing by a running (or crashed) job
             f = h5py.File(path, "r", libver="latest", swmr=True)
-        except OSError as error:
+        except HDF5_ERRORS as error:
             raise BadFileError(path, f"a damaged or cut-short HDF5 file ({error})") from None
-    with f:
-        try:
+    try:
+        with f:
             yield f
-        except OSError as error:  # h5py's read errors: the file's contents, not the caller's
-            raise BadFileError(path, f"a damaged or cut-short HDF5 file ({error})") from None
+    except HDF5_ERRORS as error:
+        if not isinstance(error, OSError) and not _raised_by_h5py(error):
+            raise  # the caller's own error, not the file's
+        raise BadFileError(path, f"a damaged or cut-short HDF5 file ({type(error).__name__}: {error})") from None
+
+
+def _raised_by_h5py(error: BaseException) -> bool:
+    """Whether ``error`` came from inside h5py (reading the file), not from its caller."""
+    tb = error.__traceback__
+    while tb is not None:
+        if "h5py" in tb.tb_frame.f_code.co_filename.replace("\\", "/").split("/"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def dataset(f: h5py.File, name: str, kind: str, shape: Sequence[Optional[int]]) -> h5py.Dataset:
@@ -177,17 +300,118 @@ def _is_scalar(value: Any, kind: type) -> bool:
     return math.isfinite(value) and (kind is not int or float(value).is_integer())
 
 
+def seal(f: h5py.File, growing: Callable[[str], bool] = lambda name: False) -> None:
+    """Store beside the root, every group and every dataset but the ``growing``
+    ones an attribute DIGEST: SHA-256 of its attributes, its members' names
+    (a group) or its dtype, shape and values (a dataset). Call it last."""
+    for name, obj in _objects(f):
+        if not growing(name):
+            obj.attrs[DIGEST] = np.bytes_(_hdf5_digest(obj).encode())  # fixed length: see fixed_length_text
+
+
+def verify(f: h5py.File, keep: Sequence[str] = (), growing: Callable[[str], bool] = lambda name: False) -> dict:
+    """Check what ``seal`` stored, reading every sealed dataset once; return
+    the values of the datasets named in ``keep`` (by path). A difference,
+    a missing digest or an unreadable object raises BadFileError."""
+    kept = {}
+    for name, obj in _objects(f):
+        if growing(name):
+            continue
+        what = "the root" if name == "/" else f"{'dataset' if isinstance(obj, h5py.Dataset) else 'group'} {name!r}"
+        saved = obj.attrs.get(DIGEST)
+        if saved is None:
+            raise BadFileError(f.filename, f"{what} carries no checksum (attribute {DIGEST!r})")
+        values = obj[()] if isinstance(obj, h5py.Dataset) else None
+        if not isinstance(saved, bytes) or saved.decode("ascii", "replace") != _hdf5_digest(obj, values):
+            raise BadFileError(f.filename, f"{what} does not match its checksum: the file is damaged or was edited")
+        if name in keep:
+            kept[name] = values
+    return kept
+
+
+def fixed_length_text(obj: Any) -> None:
+    """Store every text attribute of ``obj`` as fixed-length UTF-8 (read back
+    as bytes), in the object's header. Variable-length text lives in HDF5's
+    global heap, which carries no checksum, and HDF5 can loop forever reading
+    a damaged one."""
+    for key, value in list(obj.attrs.items()):
+        if isinstance(value, str):
+            obj.attrs[key] = np.bytes_(value.encode("utf-8"))
+
+
+def text_attributes(obj: Any) -> dict:
+    """``obj``'s attributes, fixed-length text decoded to str."""
+    return {key: value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            for key, value in obj.attrs.items()}
+
+
+def _objects(f: h5py.File) -> List[Tuple[str, Any]]:
+    """The root, then every group and dataset, by path (links to one object twice count twice)."""
+    found: List[Tuple[str, Any]] = [("/", f)]
+    f.visititems(lambda name, obj: found.append((name, obj)) if isinstance(obj, (h5py.Group, h5py.Dataset)) else None)
+    return found
+
+
+def _hdf5_digest(obj: Any, values: Any = None) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(key for key in obj.attrs if key != DIGEST):
+        _feed(digest, name.encode(), _canonical(obj.attrs[name]))
+    if isinstance(obj, h5py.Dataset):
+        values = obj[()] if values is None else values
+        _feed(digest, obj.dtype.str.encode(), repr(obj.shape).encode(), _canonical(values))
+    else:
+        _feed(digest, *(key.encode() for key in obj))  # a deleted or renamed member changes it
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, *parts: bytes) -> None:
+    for part in parts:  # each part length-prefixed: no two sequences of parts feed the same bytes
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+
+
+def _canonical(value: Any) -> bytes:
+    """The bytes of an attribute's or dataset's value, its type included."""
+    if isinstance(value, str):
+        return b"s" + value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes):
+        return b"b" + value
+    if isinstance(value, h5py.Empty):
+        return b"e" + str(value.dtype).encode()
+    array = np.asarray(value)
+    if array.dtype.kind == "O":  # variable-length strings: the items, not their pointers
+        return b"o" + repr(array.shape).encode() + b"".join(_canonical(item) for item in array.reshape(-1))
+    return b"a" + array.dtype.str.encode() + repr(array.shape).encode() + np.ascontiguousarray(array).tobytes()
+
+
+def finite(path: Any, name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` if all are finite, else BadFileError: for values that cannot be NaN or Inf."""
+    bad = np.size(values) - int(np.count_nonzero(np.isfinite(values)))
+    if bad:
+        raise BadFileError(path, f"dataset {name!r} holds {bad} NaN or infinite values")
+    return values
+
+
 # -- MPI --------------------------------------------------------------------------------
 def agree(comm: Any, read: Callable[[], T]) -> T:
     """``read()`` on every rank of ``comm``; if it refused a file on any rank,
-    the first such rank's BadFileError is raised on every rank. Collective."""
+    the first such rank's BadFileError is raised on every rank. Any other
+    error on a rank is raised there, and the others raise SparCommError
+    naming that rank, so no rank is left waiting. Collective."""
     refused, result = None, None
     try:
         result = read()
     except BadFileError as error:
         refused = error
-    verdicts = comm.allgather(refused)
-    first = next((error for error in verdicts if error is not None), None)
-    if first is not None:
-        raise first
-    return result
+    except Exception as error:  # a defect, not a bad file: still no rank may wait
+        refused = error
+    verdicts = comm.allgather(None if refused is None else
+                              refused if isinstance(refused, BadFileError) else f"{type(refused).__name__}: {refused}")
+    first = next((rank for rank, verdict in enumerate(verdicts) if verdict is not None), None)
+    if first is None:
+        return result
+    if isinstance(verdicts[first], BadFileError):
+        raise verdicts[first]
+    if refused is not None and not isinstance(refused, BadFileError):
+        raise refused
+    raise SparCommError(f"rank {first} failed reading a file: {verdicts[first]}")

@@ -30,11 +30,11 @@ from spar_comm.costmodel import CPU, load
 from spar_comm.costmodel.calibrate import FORMAT as CALIBRATION_FORMAT
 from spar_comm.costmodel.calibrate import TOOL, measurements, read, topk_rates
 from spar_comm.errors import ConfigError
-from spar_comm.files import BadFileError
+from spar_comm.files import BadFileError, seal, stamp
 from spar_comm.training import TrainConfig, build_model
 from spar_comm.training.checkpoint import read_checkpoint
 from spar_comm.training.data import load_dataset
-from spar_comm.training.trace import read_trace
+from spar_comm.training.trace import GROWING, read_trace
 
 LIMIT = 120  # seconds a driver may take
 
@@ -123,9 +123,14 @@ def edit_json(change: Callable[[dict], None]) -> Callable[[Path], None]:
 
 
 def edit_hdf5(change: Callable[[h5py.File], None]) -> Callable[[Path], None]:
+    """An edit through h5py, with the checksums then made anew: the reader's
+    own checks, behind the checksums, must refuse it (test_checksums.py
+    covers an edit that leaves them as they were)."""
     def make(path: Path) -> None:
         with h5py.File(path, "a") as f:
             change(f)
+            seal(f, growing=GROWING.__contains__ if "checksums" in f else lambda name: False)
+        stamp(path)
     return make
 
 
@@ -165,7 +170,7 @@ SCHEMA = {
          edit_hdf5(lambda f: f.attrs.__setitem__("world_size", "two"))),
     ],
     "checkpoint": [
-        ("an empty HDF5 file", "missing attribute 'format'", an_hdf5_file),
+        ("an empty HDF5 file", "no checksum: a checkpoint of format 1 (or another program's", an_hdf5_file),
         ("version", "checkpoint format 7", edit_hdf5(lambda f: f.attrs.__setitem__("format", 7))),
         ("missing params", "missing dataset 'params/layer0.weight'", edit_hdf5(lambda f: f.__delitem__("params/layer0.weight"))),
         ("missing residual", "missing dataset 'residuals/rank1'", edit_hdf5(lambda f: f.__delitem__("residuals/rank1"))),
@@ -277,13 +282,20 @@ def test_drivers_exit_2_with_one_message_naming_the_file(tmp_path, run_files, ki
     assert bad.read_bytes() == before
 
 
-@pytest.mark.parametrize("case", ["text", "cut short", "missing residual", "bad trace"])
+def flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 4
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["text", "cut short", "missing residual", "flipped bit", "bad trace"])
 def test_resume_from_a_bad_file_exits_2_on_every_rank_and_touches_nothing(tmp_path, run_files, case):
     checkpoint, trace = tmp_path / "ck.h5", tmp_path / "trace.h5"
     checkpoint.write_bytes(run_files[0].read_bytes())
     trace.write_bytes(run_files[1].read_bytes())
     bad = trace if case == "bad trace" else checkpoint
-    make = {"text": text(b"not a checkpoint"), "cut short": cut_short, "bad trace": text(b"not a trace")}.get(case)
+    make = {"text": text(b"not a checkpoint"), "cut short": cut_short, "flipped bit": flip_a_bit,
+            "bad trace": text(b"not a trace")}.get(case)
     (make or dict((c[0], c[2]) for c in SCHEMA["checkpoint"])[case])(bad)
     before = {path: path.read_bytes() for path in (checkpoint, trace)}
     result = run_driver("drivers/train.py", *FAST, "--steps", "20", "--checkpoint", checkpoint, "--trace", trace,

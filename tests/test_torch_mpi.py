@@ -236,6 +236,23 @@ def test_state_of_another_layout_is_refused_on_every_rank(topology):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_state_with_a_damaged_residual_is_refused_on_every_rank(topology):
+    """Every rank checks every rank's residuals: one verdict, though only the last rank's is bad."""
+    net, opt = make_run(topology)
+    train_steps(net, opt, range(2))
+    state = opt.state_dict()
+    residuals = state["spar_comm"]["residuals"]
+    span, values = residuals[-1][0]
+    assert len(values) > 0
+    residuals[-1][0] = (span, torch.full_like(values, float("nan")))
+    with pytest.raises(ConfigError, match=f"residual of rank {COMM.size - 1}, bucket 0 is not finite values"):
+        opt.load_state_dict(state)
+    del residuals[-1]
+    with pytest.raises(ConfigError, match=f"residuals are not {COMM.size} lists"):
+        opt.load_state_dict(state)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("case", ["shape", "dtype"])
 def test_a_different_model_on_one_rank_is_refused_on_every_rank(topology, case):
     odd = COMM.rank == COMM.size - 1

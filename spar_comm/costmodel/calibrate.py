@@ -20,14 +20,13 @@ run) keeps the value of the ``base`` machine.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from statistics import median
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..files import BadFileError, check, read_json
+from ..files import BadFileError, check, read_json, write_json
 from ..kernels import SELECTORS
 from .algorithms import STEPS, step_terms
 from .machine import CPU, LINK_TERMS, OPTIONAL_TERMS, Cluster, Machine
@@ -46,6 +45,17 @@ BENCH_COMM = {
     "results": [{"algorithm": str, "size": int, "time_median": float, "t_select": float}],
 }
 BENCH_TOPK = {"machine": dict, "records": [{"method": str, "n": int, "median_s": float}]}
+
+
+#: What a benchmark can have measured: times of a nanosecond to days (beyond,
+#: the fit's weights overflow), sizes below 2**48 elements, clusters below 2**20.
+SECONDS = (1e-9, 1e6)
+LARGEST_SIZE, LARGEST_CLUSTER = 1 << 48, 1 << 20
+
+
+def measurable(seconds: float, zero: bool = False) -> bool:
+    """Whether ``seconds`` is a time a benchmark can have measured (or 0, where ``zero``)."""
+    return (zero and seconds == 0) or SECONDS[0] <= seconds <= SECONDS[1]
 
 
 class CalibrationError(BadFileError):
@@ -112,8 +122,9 @@ def measurements(document: dict, path: str = "bench_comm JSON") -> List[Measurem
     checked(document, BENCH_COMM, path, "bench_comm JSON")
     meta = document["meta"]
     nodes, per_node = meta["num_nodes"], meta["ranks_per_node"]
-    if nodes < 1 or per_node < 1:
+    if not (1 <= nodes < LARGEST_CLUSTER and 1 <= per_node < LARGEST_CLUSTER):
         raise CalibrationError(path, f"meta: {nodes} nodes of {per_node} ranks")
+    checked(meta.get("node_sizes", []), [int], path, "bench_comm JSON's meta.node_sizes")
     if len(set(meta.get("node_sizes", [per_node]))) != 1:
         raise CalibrationError(path, "nodes of unequal size cannot be fitted")
     rows = [
@@ -122,7 +133,8 @@ def measurements(document: dict, path: str = "bench_comm JSON") -> List[Measurem
         for r in document["results"]
     ]
     for i, row in enumerate(rows):
-        if (row.algorithm not in STEPS or row.selector not in SELECTORS or row.size < 1 or not row.seconds > 0
+        if (row.algorithm not in STEPS or row.selector not in SELECTORS or not 1 <= row.size < LARGEST_SIZE
+                or not measurable(row.seconds) or not measurable(row.select_seconds, zero=True)
                 or row.dtype not in ("float32", "float64") or not 0 < row.density <= 1):
             raise CalibrationError(path, f"results[{i}] is a row the model does not know: {row}")
     return rows
@@ -143,8 +155,10 @@ def selection_line(samples: Sequence[Tuple[float, float]]) -> Tuple[float, float
 def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, Tuple[float, float]]:
     """Selection figures of every selector in a bench_topk document."""
     samples: Dict[str, List[Tuple[float, float]]] = {}
-    for record in checked(document, BENCH_TOPK, path, "bench_topk JSON")["records"]:
-        if record["method"] in SELECTORS and record["n"] >= 1:
+    for i, record in enumerate(checked(document, BENCH_TOPK, path, "bench_topk JSON")["records"]):
+        if not (1 <= record["n"] < LARGEST_SIZE and measurable(record["median_s"])):
+            raise CalibrationError(path, f"records[{i}] is not a measurement: {record}")
+        if record["method"] in SELECTORS:
             samples.setdefault(record["method"], []).append((record["n"], float(record["median_s"])))
     if not samples:
         raise CalibrationError(path, "no records of a known selector")
@@ -254,5 +268,4 @@ def save(path: str, machine: Machine, sources: Sequence[str], rows: Sequence[Mea
         "rows": len(rows),
         "median_relative_error": median(errors) if errors else None,
     }
-    with open(path, "w") as stream:
-        json.dump(document, stream, indent=1)
+    write_json(path, document)

@@ -521,4 +521,23 @@ def _state_problem(saved: Any, world_size: int, signature: List) -> Optional[str
         if len(theirs) != len(signature):
             return f"the state_dict has {len(theirs)} gradient buckets; this optimizer has {len(signature)}"
         return f"the state_dict's gradient buckets differ: {_first_difference(_flat(signature), _flat(theirs))}"
+    return _residuals_problem(saved.get("residuals"), world_size, len(signature))
+
+
+def _residuals_problem(residuals: Any, world_size: int, buckets: int) -> Optional[str]:
+    """Every rank's residuals are checked on every rank, so all reach one verdict."""
+    shaped = (isinstance(residuals, list) and len(residuals) == world_size
+              and all(isinstance(r, list) and len(r) == buckets for r in residuals))
+    if not shaped:
+        return f"the state_dict's residuals are not {world_size} lists (one a rank) of {buckets} (span, values)"
+    for rank, entries in enumerate(residuals):
+        for bucket, entry in enumerate(entries):
+            try:
+                (lo, hi), values = entry
+                ok = isinstance(values, torch.Tensor) and values.dim() == 1 and len(values) == hi - lo
+                ok = ok and bool(torch.isfinite(values).all())
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                return f"the state_dict's residual of rank {rank}, bucket {bucket} is not finite values for its span"
     return None

@@ -3,8 +3,17 @@ same bits: parameters, optimizer state, the residual of every rank, the data
 order and the step.
 
 Rank 0 writes a temporary file and renames it over the old one, so a crash
-while saving never loses the previous checkpoint. On resume every rank checks
-the whole file before restoring anything, and reads its own residual back.
+while saving never loses the previous checkpoint.
+
+Checksums (format 2): the header before the HDF5 data holds a SHA-256 of the
+whole file (``files.stamp``), checked before HDF5 parses any of it, since
+HDF5 itself can crash or loop on a damaged file. Every dataset, group and
+the root also carry a SHA-256 of their contents (``files.seal``), which
+names what differs. Unlike HDF5's fletcher32 filter these cover attributes,
+dtypes, shapes and which datasets there are, work on datasets of any layout
+(fletcher32 needs chunked ones), and no edit through h5py updates them. On
+resume every rank checks the whole file before restoring anything, and
+reads its own residual back.
 """
 from __future__ import annotations
 
@@ -14,18 +23,20 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import array_api_compat
-import h5py
 import numpy as np
 
 from .. import __version__
 from ..errors import ConfigError
-from ..files import BadFileError, agree, attribute, dataset, open_hdf5
+from ..files import BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify
 from .config import TrainConfig
 from .data import Shards
 from .distributed import FusedAllreduce, Group, to_host
 from .layout import ParamLayout
 
-FORMAT = 1
+#: Format 2 added the checksums; format 1 files are refused, saying so.
+FORMAT = 2
+OLDER = (f"no checksum: a checkpoint of format 1 (or another program's HDF5 file); this version of spar_comm "
+         f"reads format {FORMAT} only, so resume it with the version that wrote it, or start afresh")
 
 
 def save_checkpoint(
@@ -43,7 +54,7 @@ def save_checkpoint(
     if group.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = path + ".tmp"
-        with h5py.File(tmp, "w") as f:
+        with create_hdf5(tmp) as f:
             f.attrs.update(
                 format=FORMAT, version=__version__, step=step, world_size=group.size, config=config.to_json(),
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -63,8 +74,14 @@ def save_checkpoint(
                 seed=shards.seed, epoch=epoch, batch=batch, steps_per_epoch=shards.steps_per_epoch,
                 batch_size=shards.batch_size, world_size=shards.world,
             )
+            seal(f)
+        stamp(tmp)
         os.replace(tmp, path)
     group.comm.Barrier()  # nobody leaves before the checkpoint is complete
+
+
+#: The groups of per-parameter datasets, in the order Saved holds them.
+GROUPS = ("params", "optimizer/velocity")
 
 
 @dataclass
@@ -85,10 +102,12 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
     """Read what ``rank`` restores, checking the whole file (every rank's
     residual included, so every rank reaches the same verdict); a bad file
     raises BadFileError."""
-    with open_hdf5(path) as f:
+    with open_hdf5(path, unstamped=OLDER) as f:
         version = attribute(f, "format", int)
         if version != FORMAT:
             raise BadFileError(path, f"checkpoint format {version}; this version of spar_comm reads format {FORMAT}")
+        mine = [f"residuals/rank{rank}", f"aids/velocity/rank{rank}"]
+        values = verify(f, keep=[f"{group}/{name}" for group in GROUPS for name in layout.names] + mine)
         try:
             config = TrainConfig.from_json(attribute(f, "config", str))
         except (ValueError, TypeError) as error:
@@ -96,22 +115,24 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
         step, world = attribute(f, "step", int), attribute(f, "world_size", int)
         if step < 0 or world < 1:
             raise BadFileError(path, f"step {step} and world_size {world} must be >= 0 and >= 1")
-        flats = [
-            np.concatenate([dataset(f, f"{group}/{name}", "f", layout.shapes[name])[...].reshape(-1)
-                            for name in layout.names])
-            for group in ("params", "optimizer/velocity")
-        ]
+        for group in GROUPS:
+            for name in layout.names:
+                dataset(f, f"{group}/{name}", "f", layout.shapes[name])
+        flats = [np.concatenate([finite(path, f"{group}/{name}", values[f"{group}/{name}"]).reshape(-1)
+                                 for name in layout.names]) for group in GROUPS]
         spans = {}
         for r in range(world):
             ds = dataset(f, f"residuals/rank{r}", "f", (None,))
             lo, hi = attribute(ds, "lo", int), attribute(ds, "hi", int)
-            if hi - lo != ds.shape[0]:
-                raise BadFileError(path, f"residuals/rank{r} holds {ds.shape[0]} values for the range [{lo}, {hi})")
+            if not 0 <= lo <= hi <= layout.size or hi - lo != ds.shape[0]:
+                raise BadFileError(path, f"residuals/rank{r} holds {ds.shape[0]} values for the range [{lo}, {hi}) "
+                                         f"of {layout.size}")
             spans[r] = (lo, hi)
-        residual = f[f"residuals/rank{rank}"][...] if rank < world else None
+        residual = finite(path, mine[0], values[mine[0]]) if rank < world else None
         local = None
-        if rank < world and f"aids/velocity/rank{rank}" in f:
-            local = dataset(f, f"aids/velocity/rank{rank}", "f", (layout.size,))[...]
+        if rank < world and mine[1] in f:
+            dataset(f, mine[1], "f", (layout.size,))
+            local = finite(path, mine[1], values[mine[1]])
         return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local)
 
 

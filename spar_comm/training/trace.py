@@ -3,20 +3,33 @@ to rank 0 every few steps and appended there, flushed after each append.
 
 The file is in SWMR mode from its creation on, so ``analyze.py --follow`` can
 read it while the run goes on, and every flushed step survives a crash.
+
+Checksums (format 2): a trace closed by its writer carries a SHA-256 of the
+whole file in its header (``files.stamp``), checked before HDF5 parses any of
+it; a trace still being written (or whose writer died) has none yet, and
+carries these: what is fixed at creation (the attributes, ``hosts``,
+the groups and which datasets there are) carries a SHA-256 digest
+(``files.seal``); the growing datasets, which SWMR forbids to carry changing
+attributes, carry HDF5's fletcher32 filter per chunk and, in
+``checksums/step`` and ``checksums/eval``, a 64-bit BLAKE2b digest of every
+row across the columns, appended with the row. Traces of format 1 (none of
+these) are still read, unchecked.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..files import BadFileError, attribute, dataset, open_hdf5
+from ..files import (DIGEST, BadFileError, attribute, create_hdf5, dataset, finite, fixed_length_text, open_hdf5, seal,
+                     stamp, text_attributes, unstamp, verify)
 
 PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "step")
 BYTES = ("intra", "inter")
@@ -24,6 +37,15 @@ EVAL = ("step", "epoch", "train_loss", "test_metric", "wall")
 #: The columns of one rank's record of one step, in the order the ranks send them.
 FIELDS = PHASES + ("bytes_intra", "bytes_inter", "k", "threshold", "loss", "lr", "density")
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
+#: Format 2 added the checksums; a trace without a "format" attribute is of format 1.
+FORMAT = 2
+#: The growing datasets of one row per step, and of one row per evaluation.
+STEP_COLUMNS = ([f"phases/{p}" for p in PHASES] + [f"bytes/{b}" for b in BYTES]
+                + ["k", "threshold", "step", "loss", "lr", "density"])
+EVAL_COLUMNS = [f"eval/{name}" for name in EVAL]
+#: The row checksums of each.
+CHECKSUMS = {"checksums/step": STEP_COLUMNS, "checksums/eval": EVAL_COLUMNS}
+GROWING = frozenset(STEP_COLUMNS + EVAL_COLUMNS + list(CHECKSUMS))
 
 
 class StepRecorder:
@@ -81,14 +103,18 @@ class TraceWriter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if resume_step is not None and os.path.exists(path):
             with open_hdf5(path, live=True) as existing:  # refuse a bad trace before touching it
-                check_trace(existing, world)
+                current = check_trace(existing, world) == FORMAT
+            read_trace(path)  # and every checksum in it
             try:
+                if not current:
+                    raise OSError("an older format")
+                unstamp(path)  # changed from here on: whole again at close()
                 self.file = h5py.File(path, "a", libver="latest")
-            except OSError:  # its writer died: the file stays marked open, so copy what a reader sees
+            except OSError:  # its writer died (the file stays marked open), or of an older format: rewrite it
                 self._rebuild(path, world)
             self._truncate(resume_step)
         else:
-            self.file = h5py.File(path, "w", libver="latest")
+            self.file = create_hdf5(path)
             self._create(world, attrs, hosts)
         self.file.swmr_mode = True
 
@@ -98,9 +124,11 @@ class TraceWriter:
         f.attrs["mpi_library"] = MPI.Get_library_version().strip()
         for key, value in attrs.items():
             f.attrs[key] = value
-        f.create_dataset("hosts", data=np.array(hosts, dtype=h5py.string_dtype()))
-        per_rank = dict(maxshape=(None, world), chunks=(256, world))
-        per_step = dict(maxshape=(None,), chunks=(1024,))
+        f.attrs["format"] = FORMAT
+        fixed_length_text(f)  # nothing of a trace in HDF5's global heap
+        f.create_dataset("hosts", data=np.array([host.encode("utf-8") for host in hosts]))
+        per_rank = dict(maxshape=(None, world), chunks=(256, world), fletcher32=True)
+        per_step = dict(maxshape=(None,), chunks=(1024,), fletcher32=True)
         for name in PHASES:
             f.create_dataset(f"phases/{name}", (0, world), dtype="f8", **per_rank)
         for name in BYTES:
@@ -111,12 +139,16 @@ class TraceWriter:
         f.create_dataset("loss", (0,), dtype="f8", **per_step)
         f.create_dataset("lr", (0,), dtype="f8", **per_step)
         f.create_dataset("density", (0,), dtype="f8", **per_step)
+        per_eval = dict(maxshape=(None,), chunks=(64,), fletcher32=True)
         for name in EVAL:
-            f.create_dataset(f"eval/{name}", (0,), dtype="i8" if name == "step" else "f8", maxshape=(None,), chunks=(64,))
+            f.create_dataset(f"eval/{name}", (0,), dtype="i8" if name == "step" else "f8", **per_eval)
+        f.create_dataset("checksums/step", (0,), dtype="u8", **per_step)
+        f.create_dataset("checksums/eval", (0,), dtype="u8", **per_eval)
+        seal(f, growing=GROWING.__contains__)
 
     def _rebuild(self, path: str, world: int) -> None:
         old = read_trace(path)
-        self.file = h5py.File(path + ".tmp", "w", libver="latest")
+        self.file = create_hdf5(path + ".tmp")
         self._create(world, old.attrs, old.hosts)
         self._extend(old.data)
         self.file.close()
@@ -128,7 +160,7 @@ class TraceWriter:
         keep = int(np.searchsorted(f["step"][:], resume_step))
         keep_eval = int(np.searchsorted(f["eval/step"][:], resume_step, side="right"))
         for name, ds in _datasets(f).items():
-            ds.resize(keep_eval if name.startswith("eval/") else keep, axis=0)
+            ds.resize(keep_eval if _per_eval(name) else keep, axis=0)
 
     def append(self, steps: np.ndarray, block: np.ndarray) -> None:
         """Add ``block`` ([step, rank, field]) and flush."""
@@ -149,7 +181,14 @@ class TraceWriter:
         self._extend({f"eval/{name}": np.array([values[name]]) for name in EVAL})
 
     def _extend(self, columns: Dict[str, np.ndarray]) -> None:
-        for name, values in columns.items():
+        """Append rows (of every step column, or every eval column, or both)
+        and their checksums, computed here from the values as stored."""
+        stored = {name: np.asarray(values).astype(self.file[name].dtype)
+                  for name, values in columns.items() if name not in CHECKSUMS}
+        for name, names in CHECKSUMS.items():  # last: a live reader takes no row before its checksum
+            if names[0] in stored:
+                stored[name] = row_checksums(stored, names)
+        for name, values in stored.items():
             ds = self.file[name]
             n = ds.shape[0]
             ds.resize(n + len(values), axis=0)
@@ -157,7 +196,26 @@ class TraceWriter:
         self.file.flush()
 
     def close(self) -> None:
+        path = self.file.filename
         self.file.close()
+        stamp(path)
+
+
+def row_checksums(columns: Dict[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
+    """The 64-bit BLAKE2b digest of each row of the ``names`` columns (every
+    one of ``len`` rows), over their little-endian bytes."""
+    rows = len(columns[names[0]])
+    if not rows:
+        return np.zeros(0, np.uint64)
+    parts = [np.ascontiguousarray(columns[name], dtype=columns[name].dtype.newbyteorder("<")).reshape(rows, -1)
+             .view(np.uint8) for name in names]
+    table = np.concatenate(parts, axis=1)
+    return np.array([int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little")
+                     for row in table], dtype=np.uint64)
+
+
+def _per_eval(name: str) -> bool:
+    return name.startswith("eval/") or name == "checksums/eval"
 
 
 def _datasets(f: h5py.File) -> Dict[str, h5py.Dataset]:
@@ -186,21 +244,34 @@ class Trace:
         return len(self.data["step"])
 
 
-def check_trace(f: h5py.File, world: Optional[int] = None) -> None:
+def check_trace(f: h5py.File, world: Optional[int] = None) -> int:
     """Raise BadFileError unless ``f`` holds what a reader of a trace uses
     (the root attributes, and every dataset of the trace schema with the dtype and
-    shape it should have), written by ``world`` ranks where given."""
+    shape it should have), written by ``world`` ranks where given. Return
+    its format: 2 when it carries checksums (checked by ``read_trace``)."""
+    version = attribute(f, "format", int) if "format" in f.attrs or DIGEST in f.attrs else 1  # 1 had no attribute
+    if version != FORMAT and "format" in f.attrs:
+        raise BadFileError(f.filename, f"trace format {version}; this version of spar_comm reads formats 1 and {FORMAT}")
     saved = attribute(f, "world_size", int)
+    if saved < 1:
+        raise BadFileError(f.filename, f"attribute 'world_size' is {saved}")
     if world is not None and saved != world:
         raise BadFileError(f.filename, f"a trace of {saved} ranks; this run has {world}")
     for name in ("algorithm", "selector"):
         attribute(f, name, str)
     attribute(f, "density", float)
+    for name, kind in (("topology", str), ("test_metric_name", str), ("parameters", int)):
+        if name in f.attrs:  # optional, used by the summary where present
+            attribute(f, name, kind)
     try:
-        if not isinstance(json.loads(attribute(f, "config", str)), dict):
+        config = json.loads(attribute(f, "config", str))
+        if not isinstance(config, dict):
             raise ValueError("not an object")
     except ValueError as error:
         raise BadFileError(f.filename, f"attribute 'config' is not a JSON object ({error})") from None
+    batch = config.get("batch_size")
+    if type(batch) is not int or batch < 1:
+        raise BadFileError(f.filename, f"attribute 'config' has batch_size {batch!r}, not a positive integer")
     dataset(f, "hosts", "OSU", (saved,))
     for name in [f"phases/{p}" for p in PHASES] + ["threshold"]:
         dataset(f, name, "f", (None, saved))
@@ -210,17 +281,39 @@ def check_trace(f: h5py.File, world: Optional[int] = None) -> None:
         dataset(f, name, "iu", (None,))
     for name in ["loss", "lr"] + [f"eval/{e}" for e in EVAL if e != "step"]:
         dataset(f, name, "f", (None,))
+    if version == FORMAT:
+        dataset(f, "density", "f", (None,))
+        for name in CHECKSUMS:
+            dataset(f, name, "iu", (None,))
+    return version
 
 
 def read_trace(path: str) -> Trace:
     """Read a trace, also one that a running job is still writing (SWMR).
-    A file that is not a trace raises BadFileError naming it and the problem."""
+    A file that is not a trace, or whose checksums do not match, raises
+    BadFileError naming it and the problem."""
     with open_hdf5(path, live=True) as f:
-        check_trace(f)
+        version = check_trace(f)
+        if version == FORMAT:
+            verify(f, growing=GROWING.__contains__)
         datasets = _datasets(f)
-        # Per-step datasets grow one after another: cut all to the shortest.
-        rows = min(len(ds) for name, ds in datasets.items() if not name.startswith("eval/"))
-        evals = min(len(ds) for name, ds in datasets.items() if name.startswith("eval/"))
-        data = {name: ds[: evals if name.startswith("eval/") else rows] for name, ds in datasets.items()}
-        hosts = [h.decode() if isinstance(h, bytes) else str(h) for h in f["hosts"][:]]
-        return Trace(path, dict(f.attrs), data, hosts)
+        # Per-step datasets grow one after another: cut all to the shortest, or
+        # (format 2) to the rows with a checksum, which is written last.
+        rows = min(len(ds) for name, ds in datasets.items() if not _per_eval(name))
+        evals = min(len(ds) for name, ds in datasets.items() if _per_eval(name))
+        if version == FORMAT:
+            short = [(name, len(datasets[name]), len(datasets[total])) for total, names in CHECKSUMS.items()
+                     for name in names if len(datasets[name]) < len(datasets[total])]
+            if short:
+                raise BadFileError(path, "dataset {!r} has {} rows, fewer than the {} its checksums cover".format(*short[0]))
+        data = {name: ds[: evals if _per_eval(name) else rows] for name, ds in datasets.items()}
+        if version == FORMAT:
+            for name, names in CHECKSUMS.items():
+                bad = np.flatnonzero(row_checksums(data, names) != data[name])
+                if bad.size:
+                    raise BadFileError(path, f"row {bad[0]} of the {name.split('/')[1]} datasets does not match "
+                                             "its checksum: the file is damaged or was edited")
+        for name in [f"phases/{p}" for p in PHASES] + ["lr"]:
+            finite(path, name, data[name])
+        hosts = [h.decode("utf-8", "replace") if isinstance(h, bytes) else str(h) for h in f["hosts"][:]]
+        return Trace(path, text_attributes(f), data, hosts)
