@@ -36,6 +36,7 @@ import spar_comm
 from spar_comm import ALGORITHMS, Topology, make_allreducer
 from spar_comm.kernels import SELECTORS
 from spar_comm.cli import comma_list, density
+from spar_comm.collectives.base import DTYPES
 from spar_comm.consensus import raise_if_any
 from spar_comm.launch import run_main
 from spar_comm.memory import DEVICES
@@ -55,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated subset of: %(default)s")
     parser.add_argument("--selector", default="mstopk" if "mstopk" in SELECTORS else "exact",
                         choices=sorted(SELECTORS), help="top-k method (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="gradient dtype; 16-bit ones are reduced and sent as float32 (default: %(default)s)")
     parser.add_argument("--device", default="cpu", choices=DEVICES,
                         help="where gradients live: gpu = CuPy arrays on GPU (place on host) %% count (default: cpu)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
