@@ -7,8 +7,8 @@ calls go round-robin over the algorithms (one call of each, then the next
 round), so a slow spell of a shared machine hits every algorithm alike. Each
 call reduces into one output buffer kept from call to call, as a training
 loop does (``allreduce(grad, out=buffer)``). The gradient is assembled in
-each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``
-and ``hitopk`` keep in the node's shared memory (no copy in;
+each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``,
+``hitopk`` and ``adasum`` keep in the node's shared memory (no copy in;
 ``--no-shared-buffer`` passes a private array instead). The table shows time, selection
 and communication time, and the bytes each rank sends inside and between
 nodes (ring model, see spar_comm.collectives.channel).
