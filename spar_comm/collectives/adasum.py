@@ -63,6 +63,8 @@ class AdasumAllreducer(Allreducer):
         self.rails = [self.channel(c, spans_nodes=True) for c in topology.rails.values()]
         owners = [shard_owner(j, self.local.size, shards) for j in range(shards)]
         self.partial_counts = [3 * owners.count(r) for r in range(self.local.size)]
+        # Float64 work: both vectors, and one product at a time.
+        self.wide_a, self.wide_b, self.product = (self.xp.empty(hi - self.lo, np.float64) for _ in range(3))
         self.partials = self.xp.zeros(3 * len(self.spans), np.float64)
         self.all_partials = self.xp.zeros(3 * shards, np.float64)
 
@@ -102,16 +104,21 @@ class AdasumAllreducer(Allreducer):
     def _adasum(self, a: Any, b: Any) -> None:
         """``region = adasum(a, b)`` over the node's whole vector (``a`` or ``b`` is
         ``region``); a is the lower node's."""
-        xp = self.xp
-        wide = [(a[lo:hi].astype(np.float64), b[lo:hi].astype(np.float64)) for lo, hi in self.spans]
-        for i, (x, y) in enumerate(wide):
-            self.partials[3 * i], self.partials[3 * i + 1], self.partials[3 * i + 2] = (
-                xp.sum(x * y), xp.sum(x * x), xp.sum(y * y))
+        xp, wa, wb = self.xp, self.wide_a, self.wide_b
+        wa[...] = a
+        wb[...] = b
+        for i, (lo, hi) in enumerate(self.spans):
+            x, y, product = wa[lo:hi], wb[lo:hi], self.product[lo:hi]
+            for j, (u, v) in enumerate(((x, y), (x, x), (y, y))):
+                xp.multiply(u, v, out=product)
+                self.partials[3 * i + j] = product.sum()
         self.local.allgatherv(self.partials, self.all_partials, self.partial_counts)
         dot, aa, bb = 0.0, 0.0, 0.0
         for shard in self.memory.to_host(self.all_partials).reshape(-1, 3).tolist():  # in shard order
             dot, aa, bb = dot + shard[0], aa + shard[1], bb + shard[2]
         ca = 1.0 - dot / (2.0 * aa) if aa > 0 else 1.0
         cb = 1.0 - dot / (2.0 * bb) if bb > 0 else 1.0
-        for (lo, hi), (x, y) in zip(self.spans, wide):
-            self.region[lo:hi] = ca * x + cb * y
+        xp.multiply(wa, ca, out=wa)
+        xp.multiply(wb, cb, out=wb)
+        xp.add(wa, wb, out=wa)
+        self.region[...] = wa
