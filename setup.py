@@ -16,6 +16,8 @@ setup(
     package_data={"spar_comm.kernels": ["*.cu"]},
     install_requires=[
         "mpi4py>=4", "numpy>=1.24", "h5py>=3.8",
+        # bfloat16 gradients on the CPU (NumPy has no bfloat16 of its own)
+        "ml_dtypes>=0.2",
         # compiled candidate pass of the fast exact top-k (see kernels/magnitude.py)
         "numba>=0.59",
         # the training loop: array API, progress bar, the digits data set shipped in the wheel

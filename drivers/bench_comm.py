@@ -7,8 +7,8 @@ calls go round-robin over the algorithms (one call of each, then the next
 round), so a slow spell of a shared machine hits every algorithm alike. Each
 call reduces into one output buffer kept from call to call, as a training
 loop does (``allreduce(grad, out=buffer)``). The gradient is assembled in
-each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``
-and ``hitopk`` keep in the node's shared memory (no copy in;
+each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``,
+``hitopk`` and ``adasum`` keep in the node's shared memory (no copy in;
 ``--no-shared-buffer`` passes a private array instead). The table shows time, selection
 and communication time, and the bytes each rank sends inside and between
 nodes (ring model, see spar_comm.collectives.channel).
@@ -35,6 +35,7 @@ import spar_comm
 from spar_comm import ALGORITHMS, Topology, make_allreducer
 from spar_comm.kernels import SELECTORS
 from spar_comm.cli import comma_list, density
+from spar_comm.collectives.base import DTYPES
 from spar_comm.consensus import raise_if_any
 from spar_comm.files import write_json
 from spar_comm.launch import run_main
@@ -55,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated subset of: %(default)s")
     parser.add_argument("--selector", default="mstopk" if "mstopk" in SELECTORS else "exact",
                         choices=sorted(SELECTORS), help="top-k method (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="gradient dtype; 16-bit ones are reduced and sent as float32 (default: %(default)s)")
     parser.add_argument("--device", default="cpu", choices=DEVICES,
                         help="where gradients live: gpu = CuPy arrays on GPU (place on host) %% count (default: cpu)")
     parser.add_argument("--ranks-per-node", type=int, default=None,

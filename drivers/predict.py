@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Predict each allreduce algorithm's time per step on a cluster you do not have.
 
-The cost model (spar_comm.costmodel) prices every step of the six algorithms
+The cost model (spar_comm.costmodel) prices every step of every algorithm
 with alpha-beta-gamma terms: latency and bandwidth inside and between nodes
 (the ranks of a node share its network link), memory passes, and selection
-time per element. Without --calibration the figures are those of --preset
+time per element. ``adasum`` is priced but never marked fastest: it changes
+the update, not only its cost. Without --calibration the figures are those of --preset
 (a GPU cluster by default) and both link speeds must be given; with it they
 come from the file(s) and the link flags, when given, override the fitted links.
 

@@ -7,11 +7,13 @@ five times faster than ``isfinite(x.min()) and isfinite(x.max())``.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numba
 import numpy as np
 
 _EXPONENT = {
     np.dtype(np.float16): (np.uint16, 0x7C00),
+    np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
     np.dtype(np.float32): (np.uint32, 0x7F800000),
     np.dtype(np.float64): (np.uint64, 0x7FF0000000000000),
 }

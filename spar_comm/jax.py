@@ -63,8 +63,9 @@ def sparse_allreduce(
     parameter tree, shapes and dtype, and builds one allreducer for the fused
     vector (settings as ``make_allreducer``; ``topology=None`` finds nodes by
     shared memory or ``SPAR_COMM_RANKS_PER_NODE``). All leaves must share one
-    dtype, float32 or float64: the fused buffer is reduced in it, and a
-    mixed-precision tree is refused rather than silently cast.
+    dtype, float32, float64, float16 or bfloat16: the fused buffer is reduced
+    in it (a 16-bit one in float32, rounded back once, with a float32
+    residual), and a mixed-precision tree is refused rather than silently cast.
 
     ``update(grads, state, params=None)`` works eagerly and under ``jax.jit``;
     every rank must call it at the same point of its program. A gradient that

@@ -1,7 +1,11 @@
-"""Serial NumPy models of the six allreducers, written independently of the
+"""Serial NumPy models of the allreducers, written independently of the
 package: the per-rank gradients go in as a list, and the reference plays every
 rank and node itself. Selection is the exact top-k with ties to the lowest
 index (a stable sort), which every exact method of the package must match.
+
+Adasum's model is the binary tree over nodes the algorithm defines, with its
+products in float64 summed shard by shard in shard order and its
+combination in float64, the arithmetic the package promises.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class Reference:
 
     def step(self, grads: List[np.ndarray]) -> np.ndarray:
         out = getattr(self, "_" + self.algorithm)([g.astype(self.dtype) for g in grads])
+        if self.algorithm == "adasum":  # not a sum: averaging happens inside the nodes
+            return out
         return out / self.p if self.average and self.p > 1 else out
 
     # -- selection with error feedback at one site ------------------------------------
@@ -118,3 +124,32 @@ class Reference:
             for pos in sorted(set(range(len(union))) - set(keep.tolist())):
                 self.residuals[rank][union[pos]] += summed[pos]
         return {union[pos]: summed[pos] for pos in keep}
+
+    def _adasum(self, grads):
+        shards = max(len(node) for node in self.nodes)
+        bounds = [(j * self.n // shards, (j + 1) * self.n // shards) for j in range(shards)]
+        vectors = []
+        for node in self.nodes:
+            total = self._dense_sum([grads[r] for r in node])
+            vectors.append(total / self.dtype.type(len(node)) if self.average and len(node) > 1 else total)
+        top = 2 ** int(math.log2(len(vectors)))
+        for i in range(len(vectors) - top):  # the nodes past a power of two fold in first
+            vectors[i] = adasum_pair(vectors[i], vectors[top + i], bounds)
+        width = 1
+        while width < top:
+            for m in range(0, top, 2 * width):
+                vectors[m] = adasum_pair(vectors[m], vectors[m + width], bounds)
+            width *= 2
+        return vectors[0]
+
+
+def adasum_pair(a: np.ndarray, b: np.ndarray, bounds) -> np.ndarray:
+    """(1 - a.b/2|a|^2) a + (1 - a.b/2|b|^2) b in float64, products summed per shard."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    dot = aa = bb = 0.0
+    for lo, hi in bounds:
+        x, y = a64[lo:hi], b64[lo:hi]
+        dot, aa, bb = dot + np.sum(x * y), aa + np.sum(x * x), bb + np.sum(y * y)
+    ca = 1 - dot / (2 * aa) if aa > 0 else 1.0
+    cb = 1 - dot / (2 * bb) if bb > 0 else 1.0
+    return (ca * a64 + cb * b64).astype(a.dtype)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spar_comm import ALGORITHMS
-from spar_comm.costmodel import (CPU, GPU, CalibrationError, Cluster, Machine, Measurement, fit, gbps_to_beta,
-                                 load, predict, relative_errors, step_terms)
+from spar_comm.costmodel import (CPU, GPU, CalibrationError, Cluster, Machine, Measurement, fastest, fit,
+                                 gbps_to_beta, load, predict, relative_errors, step_terms)
 from spar_comm.costmodel import mpi
 
 clusters = st.builds(Cluster, st.integers(1, 512), st.integers(1, 16))
@@ -175,3 +175,19 @@ def test_a_calibration_written_before_host_inter_still_loads(tmp_path):
     old = {name: value for name, value in GPU.to_dict().items() if name != "host_inter"}
     (tmp_path / "cal.json").write_text(json.dumps({"tool": "spar_comm.costmodel", "machine": old}))
     assert load([str(tmp_path / "cal.json")]) == GPU
+
+
+def test_adasum_sends_its_shard_once_per_level_and_fold():
+    n = 4096  # 4 nodes of 2 ranks: shards of 2048 float32, two levels, every rank of a node sending at once
+    terms = step_terms("adasum", Cluster(4, 2), n)
+    check = 8 * 2 + 8 * 4  # the gradient check's Allgather: its steps at distance 2 and 4 cross nodes
+    assert terms["beta_inter"] == 2 * (2 * 2048 * 4) + check
+    # 3 nodes: one level between nodes 0 and 1, and node 2's shard in and back out of node 0
+    folded = step_terms("adasum", Cluster(3, 1), n)
+    assert folded["beta_inter"] == 3 * n * 4 + 4 + 8
+
+
+def test_adasum_is_priced_but_never_the_fastest():
+    assert fastest({"adasum": 1e-6, "hier_dense": 1.0, "dense": 2.0}) == "hier_dense"
+    assert fastest({"adasum": 1.0}) == "adasum"
+    assert "adasum" in predict(Cluster(2, 2), 1 << 20, GPU)

@@ -1,10 +1,11 @@
-"""The six allreduce algorithms, one module each, behind one interface."""
+"""The allreduce algorithms, one module each, behind one interface."""
 from __future__ import annotations
 
 from typing import Any, Dict, Type
 
 from ..consensus import raise_if_any, require_same
 from ..topology import Topology
+from .adasum import AdasumAllreducer
 from .base import Allreducer, selection_size
 from .dense import DenseAllreducer
 from .gtopk import GTopKAllreducer
@@ -23,6 +24,7 @@ ALGORITHMS: Dict[str, Type[Allreducer]] = {
         GTopKAllreducer,
         HiTopKAllreducer,
         HiTopKLeaderAllreducer,
+        AdasumAllreducer,
     )
 }
 

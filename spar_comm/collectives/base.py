@@ -8,6 +8,10 @@ caller may pass ``out=grad``), and says where its residual lives; the rest is
 here. Arrays are made through ``self.xp``, the namespace of the memory the
 topology put the rank in (NumPy, or CuPy on a GPU; see ``memory.py``), so one
 implementation of each algorithm serves both.
+
+Subclasses work in ``self.dtype``, the dtype of sums, residuals and messages.
+A float16 or bfloat16 gradient (``grad_dtype``) is widened to float32 on the
+way in and its result rounded back once on the way out.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import math
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Tuple
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 import numpy as np
 from mpi4py import MPI
 
@@ -27,9 +32,18 @@ from ..topology import Topology
 from .channel import Channel
 from .shm import MessageReduceScatter, node_reduce_scatter
 
-DTYPES = ("float32", "float64")
+#: Gradient dtypes; NumPy knows bfloat16 through ml_dtypes.
+DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: Indices travel as int32 positions within a shard.
 MAX_SHARD = 2**31 - 1
+
+
+def sum_dtype(dtype: Any) -> np.dtype:
+    """The dtype a gradient of ``dtype`` is summed, kept and sent in: float32 for
+    the 16-bit floats (whose own partial sums would round at every add, and
+    which MPI has no type for), the dtype itself otherwise."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
 def selection_size(density: float, length: int) -> int:
@@ -85,6 +99,9 @@ class Allreducer:
     name = ""
     #: Whether the algorithm selects (and therefore keeps residuals).
     sparse = False
+    #: Whether the result is the sum (or mean) over ranks; ``adasum``'s is not,
+    #: so ``auto`` never swaps it in for another.
+    sums = True
 
     def __init__(
         self,
@@ -123,7 +140,10 @@ class Allreducer:
         self.memory = topology.memory
         self.xp = self.memory.xp
         self.size = int(size)
-        self.dtype = np.dtype(dtype)
+        self.grad_dtype = np.dtype(dtype)
+        self.dtype = sum_dtype(dtype)
+        # A 16-bit gradient widened, then reduced in place (one array for every call).
+        self._wide = None if self.dtype == self.grad_dtype else self.xp.empty(self.size, self.dtype)
         self.density = float(density)
         self.selector_name = selector
         self.selector_options = dict(selector_options or {})
@@ -151,7 +171,8 @@ class Allreducer:
         """The node's Reduce_scatter (see ``shm.node_reduce_scatter``); with
         ``shared_buffer`` its shared vector becomes ``buffer``."""
         shares_memory = self.topology.local_shares_memory and self.memory.in_host_memory
-        reduce_scatter = node_reduce_scatter(local, counts, self.dtype, shares_memory, self.shared_buffer)
+        in_place = self.shared_buffer and self._wide is None  # a 16-bit gradient is widened elsewhere
+        reduce_scatter = node_reduce_scatter(local, counts, self.dtype, shares_memory, in_place)
         self._buffer = reduce_scatter.buffer  # None: plain memory, made when asked for
         return reduce_scatter
 
@@ -212,14 +233,15 @@ class Allreducer:
     def buffer(self) -> Any:
         """An array of the gradient's size and dtype to assemble the flat gradient
         in and pass to ``allreduce`` (``out=`` it too, to reduce in place). With
-        ``shared_buffer=True``, ``hier_dense`` and ``hitopk`` keep it in the
-        node's shared memory and read it where it lies instead of copying it
-        there (given several ranks on a node that shares memory, and
-        ``SPAR_COMM_SHM`` not 0); other algorithms hand out plain memory.
+        ``shared_buffer=True``, ``hier_dense``, ``hitopk`` and ``adasum`` keep
+        it in the node's shared memory and read it where it lies instead of
+        copying it there (given several ranks on a node that shares memory,
+        ``SPAR_COMM_SHM`` not 0, and a float32 or float64 gradient); other
+        algorithms hand out plain memory.
         Passing another array instead overwrites all but this rank's shard of
         a shared buffer (that is where its parts are copied in)."""
         if self._buffer is None:
-            self._buffer = self.xp.zeros(self.size, self.dtype)
+            self._buffer = self.xp.zeros(self.size, self.grad_dtype)
         return self._buffer
 
     def allreduce(self, grad: Any, out: Any = None) -> Any:
@@ -232,6 +254,11 @@ class Allreducer:
 
         Every rank gets identical bits. A gradient refused on any rank raises
         GradientError on every rank and leaves the residuals as they were.
+
+        A float16 or bfloat16 gradient is reduced in float32 (sums, residuals
+        and the values on the wire) and the result rounded to its dtype once,
+        at the end. That rounding is not fed back into the residual:
+        conservation holds for the float32 result.
         """
         self.last = self._fresh_ledger()
         start = self.memory.now()
@@ -240,10 +267,15 @@ class Allreducer:
         if given_out is not None:
             out = grad if given_out is given_grad else self.memory.adopt(given_out)[0]
         self._check(grad, out, given_out is not None)
-        self._out = out
         self.last["t_check"] = self.memory.now() - start
         try:
-            result = self._reduce(grad)
+            if self._wide is None:
+                self._out = out
+                result = self._reduce(grad)
+            else:
+                self._wide[...] = grad
+                self._out = self._wide
+                result = self._narrowed(self._reduce(self._wide), out)
             self._out = None  # the caller's buffer is not kept between calls
         except BaseException:
             # Inputs were checked on every rank, so this is a failure of this rank
@@ -256,7 +288,8 @@ class Allreducer:
         return given_out if given_out is not None else back(result)
 
     def residual_full(self) -> Any:
-        """This rank's residual in global coordinates (zeros elsewhere)."""
+        """This rank's residual in global coordinates (zeros elsewhere), in
+        ``dtype`` (float32 for a 16-bit gradient)."""
         full = self.xp.zeros(self.size, dtype=self.dtype)
         lo, hi = self._residual_range
         full[lo:hi] = self._residual
@@ -293,6 +326,13 @@ class Allreducer:
     def _reduce(self, grad: Any) -> Any:
         raise NotImplementedError
 
+    def _narrowed(self, wide: Any, out: Any) -> Any:
+        """The float32 result rounded to the gradient's dtype, into ``out`` if given."""
+        if out is None:
+            return wide.astype(self.grad_dtype)
+        out[...] = wide
+        return out
+
     def _fresh_ledger(self) -> Dict[str, float]:
         ledger = dict.fromkeys(("t_check", "t_select", "t_intra", "t_inter"), 0.0)
         ledger["threshold"] = math.inf  # the smallest selected magnitude, lowered by select()
@@ -305,7 +345,7 @@ class Allreducer:
 
     def _check(self, grad: Any, out: Any, out_given: bool) -> None:
         """Gather every rank's verdict on its (adopted) gradient; raise alike on all ranks."""
-        self._code[0] = _problems_of(grad, out, self.size, self.dtype, self.memory)
+        self._code[0] = _problems_of(grad, out, self.size, self.grad_dtype, self.memory)
         if out_given and out is None:  # given, but not an array of this memory
             self._code[0] |= 64
         self.topology.world.Allgather(self._code, self._codes)
@@ -318,7 +358,7 @@ class Allreducer:
         error = NonFiniteGradientError if (self._codes | _NON_FINITE).max() == _NON_FINITE else GradientError
         raise error(
             f"{self.name} allreduce refused the gradient (expected 1-D contiguous "
-            f"{self.dtype.name} of length {self.size}; nothing was changed): " + "; ".join(parts)
+            f"{self.grad_dtype.name} of length {self.size}; nothing was changed): " + "; ".join(parts)
         )
 
 
@@ -333,6 +373,8 @@ def _check_settings(size: Any, dtype: Any, density: Any, selector: str, selector
         return f"dtype {dtype!r} is not a NumPy dtype"
     if name not in DTYPES:
         return f"dtype must be one of {', '.join(DTYPES)}, got {name}"
+    if name == "bfloat16" and not memory.in_host_memory:
+        return "bfloat16 gradients are host arrays only (CuPy has no bfloat16); use float16 on the GPU"
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
         return f"density must be in (0, 1], got {density!r}"
     if selector not in kernels.SELECTORS:

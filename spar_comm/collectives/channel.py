@@ -10,7 +10,7 @@ Bytes are what this rank sends under the ring model:
 * Bcast: as MPICH sends it (``bcast_bytes``): n to each child of a binomial
   tree, or a scatter and a ring allgather of n/p blocks for long messages;
   Reduce: n from every rank but the root;
-* Send: the message.
+* Send and Sendrecv: the message.
 
 On a GPU the buffers are device arrays; ``memory.for_mpi`` hands them to MPI
 in place (CUDA-aware) or through pinned host buffers, and
@@ -132,3 +132,8 @@ class Channel:
 
     def recv(self, buf: Any, source: int, tag: int) -> None:
         self._call(lambda _, r: self.comm.Recv(r, source=source, tag=tag), None, buf, 0)
+
+    def sendrecv(self, send: Any, recv: Any, partner: int, tag: int) -> None:
+        """Swap equal-sized buffers with ``partner`` (both send at once)."""
+        self._call(lambda s, r: self.comm.Sendrecv(s, dest=partner, sendtag=tag, recvbuf=r, source=partner,
+                                                   recvtag=tag), send, recv, send.nbytes)

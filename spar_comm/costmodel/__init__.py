@@ -6,13 +6,14 @@
     fastest(times)                                  # e.g. 'hitopk'
 
 ``mpi.py`` costs MPI collectives as MPICH runs them, ``algorithms.py`` the
-six allreducers step by step, ``machine.py`` holds the figures and
+allreducers step by step, ``machine.py`` holds the figures and
 ``calibrate.py`` fits them to bench_comm.py/bench_topk.py measurements.
 """
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
+from ..collectives import ALGORITHMS
 from .algorithms import STEPS, step_terms
 from .calibrate import CalibrationError, Measurement, fit, load, relative_errors, save
 from .machine import CPU, GPU, PRESETS, Cluster, Machine, beta_to_gbps, gbps_to_beta
@@ -25,7 +26,7 @@ PARTS = {"select": ("select",), "intra": ("alpha_intra", "beta_intra"),
 
 def predict(cluster: Cluster, size: int, machine: Machine, dtype: str = "float32", density: float = 0.001,
             selector: str = "mstopk", algorithms: Optional[Iterable[str]] = None) -> Dict[str, float]:
-    """Predicted seconds per allreduce call of each algorithm (default: all six)."""
+    """Predicted seconds per allreduce call of each algorithm (default: all)."""
     if selector not in machine.select:
         raise ValueError(f"no selection figure for selector {selector!r}; known: {', '.join(sorted(machine.select))}")
     return {
@@ -45,8 +46,11 @@ def breakdown(algorithm: str, cluster: Cluster, size: int, machine: Machine, dty
 
 
 def fastest(times: Dict[str, float]) -> str:
-    """The algorithm of least predicted time; ties go to the one listed first."""
-    return min(times, key=lambda name: times[name])
+    """The algorithm of least predicted time; ties go to the one listed first.
+    Only algorithms that return the sum compete (``adasum`` changes the
+    update, so it is priced but never picked), unless none is listed."""
+    summing = [name for name in times if name not in ALGORITHMS or ALGORITHMS[name].sums]
+    return min(summing or times, key=lambda name: times[name])
 
 
 __all__ = [

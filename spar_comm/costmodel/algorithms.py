@@ -1,4 +1,4 @@
-"""The six allreducers, step by step, as model terms.
+"""The allreducers, step by step, as model terms.
 
 Each function mirrors its module in ``spar_comm.collectives``: the MPI calls
 it makes (costed by ``mpi.py``), the local memory passes it makes over the
@@ -18,9 +18,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Dict
 
-import numpy as np
-
-from ..collectives.base import selection_size
+from ..collectives.base import selection_size, sum_dtype
 from . import mpi
 from .machine import Cluster
 from .mpi import Span, Terms
@@ -101,16 +99,42 @@ def hitopk_leader(x: Shape) -> Terms:
     return terms + mpi.allgather(x.leaders, x.pairs(k)) + mpi.bcast(x.local, x.nbytes)
 
 
+#: Local passes over a shard's bytes per adaptive sum: widen both vectors to
+#: float64, three products and their sums, the combination and its cast.
+ADASUM_PASSES = 12
+#: Bytes of one shard's partial products (a.b, |a|^2, |b|^2 in float64).
+ADASUM_PARTIALS = 24
+
+
+def adasum(x: Shape) -> Terms:
+    shard = x.nbytes / x.g
+    levels = x.nodes.bit_length() - 1
+    folds = x.nodes - 2**levels
+    terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + mpi.allgather(x.local, shard)
+    if x.g > 1:
+        terms["gamma"] += shard  # the division by the node's size
+    combines = levels + (1 if folds else 0)
+    for _ in range(levels):  # every rank swaps its shard with the partner node's owner
+        mpi.message(terms, x.rails, shard, inter=True, flows=x.g, senders=x.p)
+    for _ in range(2 if folds else 0):  # the extra nodes' shards in, and the results back out
+        mpi.message(terms, x.rails, shard, inter=True, flows=x.g, senders=folds * x.g)
+    for _ in range(combines):
+        terms += mpi.allgather(x.local, ADASUM_PARTIALS)
+        terms["gamma"] += ADASUM_PASSES * shard
+    return terms
+
+
 #: Algorithm name -> its step terms, in the order of spar_comm.ALGORITHMS.
 STEPS: Dict[str, Callable[[Shape], Terms]] = {
-    f.__name__: f for f in (dense, hier_dense, topka, gtopk, hitopk, hitopk_leader)
+    f.__name__: f for f in (dense, hier_dense, topka, gtopk, hitopk, hitopk_leader, adasum)
 }
 
 
 def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float32",
                density: float = 0.001, selector: str = "mstopk") -> Terms:
-    """All the terms of one allreduce call of ``algorithm``."""
-    x = Shape(cluster, size, np.dtype(dtype).itemsize, density, selector)
+    """All the terms of one allreduce call of ``algorithm`` (a 16-bit gradient is
+    reduced and sent in float32, so it costs as one)."""
+    x = Shape(cluster, size, sum_dtype(dtype).itemsize, density, selector)
     common = Terms(overhead=1, gamma=x.nbytes) + mpi.allgather(x.world, 4)  # check, final average
     return on_cores(common + STEPS[algorithm](x), cluster)
 
