@@ -127,6 +127,24 @@ def test_sparse_buckets_conserve_gradient_mass_through_the_rebuild(topology, alg
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_16_bit_buckets_get_the_mean_rounded_once(topology, dtype):
+    """The dense hook on 16-bit parameters: the mean over ranks of the 16-bit
+    gradients, reduced in float32 and rounded once to the parameters' dtype."""
+    model = Chosen()
+    model.to(dtype)
+    ddp, state = hooked(model, "dense", topology=topology)
+    for step in range(2):
+        grads = [[g.to(dtype) for g in mine] for mine in chosen_grads(5, step)]
+        ddp.zero_grad()
+        ddp(grads[COMM.rank]).backward()
+        wide = sum(torch.cat([g.double().flatten() for g in mine]) for mine in grads) / COMM.size
+        got = torch.cat([p.grad.flatten() for p in model.ps])
+        assert_all(COMM, got.dtype == dtype and torch.equal(got, wide.to(dtype)), f"step {step}: not the mean")
+        assert_identical_bits(COMM, got.view(torch.int16).numpy(), "reduced 16-bit gradients")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_a_model_of_several_buckets_trains(topology):
     torch.manual_seed(1)
     teacher = torch.nn.Linear(16, 4)

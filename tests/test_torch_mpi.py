@@ -79,6 +79,31 @@ def test_every_bucket_matches_the_serial_reference(topology, algorithm):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_16_bit_parameters_get_the_float32_reference_rounded_once(topology, algorithm, dtype):
+    """A 16-bit gradient is reduced in float32 and rounded once: the serial
+    reference run on the float32 values of the 16-bit gradients, then cast."""
+    model = Controlled(dtype=dtype)
+    opt = wrap(model, topology, algorithm=algorithm, density=0.2, selector="exact")
+    refs = [Reference(algorithm, COMM.size, topology.emulated_ranks_per_node, sum(p.numel() for p in b.params),
+                      "float32", 0.2) for b in opt.buckets]
+    for step in range(2):
+        grads = [[torch.from_numpy(g).to(dtype).float().numpy() for g in mine] for mine in rank_grads(5, step)]
+        opt.zero_grad()
+        model.backward_with(grads[COMM.rank])  # autograd rounds each gradient to the parameter's dtype: exactly these
+        opt.synchronize()
+        for bucket, ref in zip(opt.buckets, refs):
+            expected = torch.from_numpy(ref.step([bucket_of(g, model, bucket) for g in grads])).to(dtype)
+            got = torch.cat([p.grad.flatten() for p in bucket.params])
+            assert_all(COMM, got.dtype == dtype and torch.equal(got, expected),
+                       f"step {step} bucket {bucket.index} differs")
+            assert_all(COMM, np.array_equal(bucket.reducer.residual_full(), ref.residuals[COMM.rank]),
+                       f"step {step} bucket {bucket.index}: residual differs")
+            assert_identical_bits(COMM, got.view(torch.int16).numpy(), "bucket gradient")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_dense_gives_the_mean_of_the_ranks_gradients_to_the_bit(topology):
     model = Controlled(dtype=torch.float64)
     opt = wrap(model, topology, algorithm="dense")
@@ -292,8 +317,8 @@ def test_misuse_is_named(topology):
         wrap(model, topology, backward_passes_per_step=0)
     with pytest.raises(ConfigError, match="bucket_cap_mb"):
         wrap(model, topology, bucket_cap_mb=0)
-    with pytest.raises(ConfigError, match="float32 and float64"):
-        wrap(Controlled(dtype=torch.float16), topology)
+    with pytest.raises(ConfigError, match="float16 and bfloat16"):
+        wrap(Controlled(dtype=torch.complex64), topology)
     opt = wrap(model, topology, algorithm="dense", overlap=False)
     model.backward_with(rank_grads(1, 0)[COMM.rank])
     with pytest.raises(RuntimeError, match="in flight"):

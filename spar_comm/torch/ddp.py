@@ -39,7 +39,7 @@ from ..consensus import raise_if_any, require_same
 from ..errors import SparCommError
 from ..launch import abort_job
 from ..topology import Topology
-from .streams import NoStreams, as_tensor, streams_for
+from .streams import NoStreams, as_array, as_tensor, streams_for
 
 #: ``HookState.state_dict()["format"]``: bumped when the layout changes.
 HOOK_STATE_FORMAT = 1
@@ -168,7 +168,7 @@ class HookState:
             for i, values in carried:
                 bucket.residual_of(i, job.buffer).add_(values.to(job.buffer.dtype))
         try:
-            array = job.buffer.numpy() if job.buffer.device.type == "cpu" else job.buffer
+            array = as_array(job.buffer)
             bucket.reducer.allreduce(array, out=array)
         except SparCommError:
             if carried:

@@ -51,7 +51,7 @@ __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_param
            "size"]
 
 #: The dtypes the allreducers take.
-_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 #: ``state_dict()["spar_comm"]["format"]``: bumped when the layout of the entry changes.
 STATE_FORMAT = 1
 #: A problem bit agreed over ranks at every synchronize.
@@ -436,7 +436,7 @@ def _settings_problem(named: List, dense: Sequence[Any], bucket_cap_mb: Any, pas
         return f"dense= names no parameter: {', '.join(map(repr, unknown))}"
     for name, p in named:
         if p.dtype not in _DTYPES:
-            return f"parameter {name!r} is {p.dtype}; the allreducers take float32 and float64"
+            return f"parameter {name!r} is {p.dtype}; the allreducers take float32, float64, float16 and bfloat16"
     devices = sorted({str(p.device) for _, p in named})
     if len(devices) > 1:
         return f"the parameters are on several devices ({', '.join(devices)}): put the model on one"

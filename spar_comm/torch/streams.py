@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional, Sequence
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -92,5 +93,20 @@ def tensor_device(memory: Any) -> torch.device:
 
 
 def as_tensor(array: Any) -> torch.Tensor:
-    """A tensor over an allreducer's array, sharing its memory (NumPy, or CuPy through DLPack)."""
-    return torch.from_numpy(array) if isinstance(array, np.ndarray) else torch.from_dlpack(array)
+    """A tensor over an allreducer's array, sharing its memory (NumPy, or CuPy through DLPack).
+    NumPy has no bfloat16 of its own: ml_dtypes' arrays cross as their 16 bits."""
+    if not isinstance(array, np.ndarray):
+        return torch.from_dlpack(array)
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def as_array(tensor: torch.Tensor) -> Any:
+    """An array over a tensor's memory for an allreducer: NumPy on the CPU
+    (bfloat16 as ml_dtypes' type), the tensor itself on a GPU."""
+    if tensor.device.type != "cpu":
+        return tensor
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
