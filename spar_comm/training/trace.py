@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..files import BadFileError, attribute, dataset, open_hdf5
+from ..mpi_strings import library_version
 
 PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "step")
 BYTES = ("intra", "inter")
@@ -95,7 +96,7 @@ class TraceWriter:
     def _create(self, world: int, attrs: Dict[str, Any], hosts: list) -> None:
         f = self.file
         f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        f.attrs["mpi_library"] = MPI.Get_library_version().strip()
+        f.attrs["mpi_library"] = library_version()
         for key, value in attrs.items():
             f.attrs[key] = value
         f.create_dataset("hosts", data=np.array(hosts, dtype=h5py.string_dtype()))
