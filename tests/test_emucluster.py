@@ -3,10 +3,13 @@ namespaces); skipped cleanly elsewhere."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+from mpi4py import MPI
 
 from conftest import ROOT
 from spar_comm import emucluster
@@ -129,3 +132,21 @@ def test_driver_reports_bad_input_with_status_2(run_driver):
     assert result.returncode == 2 and "hosts must be" in result.stderr
     result = run_driver("emucluster.py", "run")
     assert result.returncode == 2 and "run needs a command" in result.stderr
+
+
+def test_only_mpichs_launcher_is_taken(tmp_path):
+    """The launch script is Hydra's (-launcher-exec): Open MPI's launcher is
+    refused by name, and so is the one beside this Python unless MPI is MPICH."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'mpiexec (Open MPI) 5.0.11'\n")
+    fake.chmod(0o755)
+    with pytest.raises(emucluster.EmuClusterError, match=r"needs MPICH's mpiexec \(Hydra\), and .* is Open MPI's"):
+        emucluster.require_hydra(str(fake))
+    with pytest.raises(emucluster.EmuClusterError, match="cannot run the MPI launcher"):
+        emucluster.require_hydra(str(tmp_path / "missing"))
+    beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if MPI.get_vendor()[0] == "MPICH":
+        emucluster.require_hydra(beside)
+    else:
+        with pytest.raises(emucluster.EmuClusterError, match="needs MPICH's mpiexec"):
+            emucluster.require_hydra(beside)
