@@ -26,8 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def find_mpiexec() -> str:
-    """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
-    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
+    """The launcher the tests start drivers with: ``$SPAR_COMM_MPIEXEC`` when set
+    (an MPI on PATH, say), else the one next to this Python (the wheel's), else
+    the one on PATH. It must belong to the MPI that this Python's mpi4py loads."""
+    return (os.environ.get("SPAR_COMM_MPIEXEC") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+            or shutil.which("mpiexec") or "mpiexec")
 
 
 @pytest.fixture(autouse=True)
