@@ -323,7 +323,7 @@ def mpiexec_command(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional
                     ranks: Optional[int] = None) -> List[str]:
     """``mpiexec`` across the emulated hosts, ``ranks_per_host`` on each by default.
     EmuClusterError when ``mpiexec`` is not MPICH's."""
-    mpiexec = mpiexec or shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+    mpiexec = mpiexec or default_mpiexec()
     require_hydra(mpiexec)
     hosts = ",".join(f"{address}:{spec.ranks_per_host}" for address in spec.addresses)
     env = [arg for name, value in MPI_ENV.items() for arg in ("-genv", name, value)]
@@ -332,6 +332,11 @@ def mpiexec_command(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional
         "-hosts", hosts, "-iface", spec.bridge, "-n", str(ranks or spec.hosts * spec.ranks_per_host),
         *env, *command,
     ]
+
+
+def default_mpiexec() -> str:
+    """The launcher beside this Python (the mpich wheel's), else ``mpiexec`` on PATH."""
+    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
 
 
 def require_hydra(mpiexec: str) -> None:

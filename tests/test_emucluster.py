@@ -1,10 +1,9 @@
 """The emulated cluster, where this machine allows it (root, network
-namespaces); skipped cleanly elsewhere."""
+namespaces, MPICH's launcher); skipped cleanly elsewhere."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,17 @@ from mpi4py import MPI
 from conftest import ROOT
 from spar_comm import emucluster
 
-REASON = emucluster.available()
+
+def unavailable():
+    """Why no emulated cluster can run here (no root or namespaces, or no MPICH), else None."""
+    try:
+        emucluster.require_hydra(emucluster.default_mpiexec())
+    except emucluster.EmuClusterError as error:
+        return str(error)
+    return emucluster.available()
+
+
+REASON = unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 PREFIX = "spt"  # not the default, so a user's own cluster is never touched
 
@@ -144,7 +153,8 @@ def test_only_mpichs_launcher_is_taken(tmp_path):
         emucluster.require_hydra(str(fake))
     with pytest.raises(emucluster.EmuClusterError, match="cannot run the MPI launcher"):
         emucluster.require_hydra(str(tmp_path / "missing"))
-    beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    beside = emucluster.default_mpiexec()
+    assert os.path.dirname(beside) == os.path.dirname(sys.executable)
     if MPI.get_vendor()[0] == "MPICH":
         emucluster.require_hydra(beside)
     else:
