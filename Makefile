@@ -75,7 +75,7 @@ OMPI_ENV   := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 OMPI_LAUNCHES ?= 2:1,4:2
 OMPI_TESTS ?= tests/test_mpi_strings.py tests/test_device.py tests/test_abort.py \
               tests/test_emucluster.py::test_only_mpichs_launcher_is_taken \
-              tests/test_trace.py tests/test_mpi_runs.py \
+              tests/test_mpi_runs.py \
               tests/test_jax.py::test_a_failure_on_one_rank_inside_the_callback_aborts_the_job \
               tests/test_train_runs.py::test_an_exception_on_one_rank_ends_the_job_once \
               tests/test_train_runs.py::test_a_crashed_run_resumes_from_its_last_periodic_checkpoint \

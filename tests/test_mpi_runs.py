@@ -1,6 +1,7 @@
 """What runs store of their MPI library, end to end under the MPI that this
 Python's mpi4py loads (``make test`` runs it under MPICH and Open MPI): the
-library's strings in a trace and in a benchmark file, cleaned, and the
+library's strings in a trace (which analyze.py reads) and in a benchmark
+file, cleaned, and the
 calibration fitted on that benchmark giving predict.py the predictions of
 the fit itself."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import h5py
 from spar_comm import ALGORITHMS, mpi_strings
 
 
-def test_the_trace_holds_the_librarys_strings(run_driver, tmp_path):
+def test_the_trace_holds_the_librarys_strings_and_analyze_reads_it(run_driver, tmp_path):
     trace = tmp_path / "t.h5"
     result = run_driver("train.py", "--selector", "exact", "--no-progress", "--hidden", "16", "--steps", "3",
                         "--ranks-per-node", "1", "--trace", trace, ranks=2)
@@ -20,6 +21,9 @@ def test_the_trace_holds_the_librarys_strings(run_driver, tmp_path):
     with h5py.File(trace, "r") as f:
         assert f.attrs["mpi_library"] == mpi_strings.library_version()
         assert [h.decode() for h in f["hosts"][:]] == [mpi_strings.processor_name()] * 2
+    analysis = run_driver("analyze.py", trace)
+    assert analysis.returncode == 0, analysis.stderr
+    assert "parameters, 3 steps" in analysis.stdout and "bytes/step per rank" in analysis.stdout, analysis.stdout
 
 
 def test_a_benchmark_holds_the_library_and_its_fit_drives_predict(run_driver, tmp_path):
