@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 from mpi_helpers import layouts
-from shm_cleanup import mpich_segments, remove_orphaned_segments
+from shm_cleanup import mpi_segments, remove_orphaned_segments
 from spar_comm import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,9 +35,9 @@ def find_mpiexec() -> str:
 
 @pytest.fixture(autouse=True)
 def no_orphaned_shared_memory():
-    """Tests that end a job on purpose (MPI_Abort, SIGKILL) leave MPICH's
+    """Tests that end a job on purpose (MPI_Abort, SIGKILL) leave MPI's
     /dev/shm files behind; remove those nothing uses any more."""
-    before = mpich_segments()
+    before = mpi_segments()
     yield
     if MPI.COMM_WORLD.size == 1:  # a serial test: the jobs it started have ended
         remove_orphaned_segments(before)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shm_cleanup import mpich_segments, remove_orphaned_segments  # noqa: E402  (no MPI: this process must not init it)
+from shm_cleanup import mpi_segments, remove_orphaned_segments  # noqa: E402  (no MPI: this process must not init it)
 LAUNCHES = "1:1,2:1,3:2,4:2,6:3"  # ranks:ranks per node, each launch
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
@@ -111,7 +111,7 @@ def main() -> int:
 
     passed = failed = skipped = 0
     for ranks, rpn in args.launches:
-        before = mpich_segments()
+        before = mpi_segments()
         result = run_launch(args.mpiexec, ranks, rpn, args.limit, args.pytest_args or ["tests"])
         remove_orphaned_segments(before)  # a launch killed at its limit leaves them
         counts = result["summary"]
