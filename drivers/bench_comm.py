@@ -40,6 +40,7 @@ from spar_comm.consensus import raise_if_any
 from spar_comm.files import write_json
 from spar_comm.launch import run_main
 from spar_comm.memory import DEVICES
+from spar_comm.mpi_strings import library_name, processor_name
 
 FIGURES = ("t_select", "t_intra", "t_inter")
 COUNTS = ("bytes_intra", "bytes_inter", "k", "bytes_staged")
@@ -131,7 +132,7 @@ def link_counter(world: MPI.Comm, iface: str) -> str | None:
     host.Free()
     path = f"/sys/class/net/{iface}/statistics/tx_bytes"
     raise_if_any(world, None if not reader or os.access(path, os.R_OK) else
-                 f"--link-counters {iface}: cannot read {path} on host {MPI.Get_processor_name()}")
+                 f"--link-counters {iface}: cannot read {path} on host {processor_name()}")
     return path if reader else None
 
 
@@ -182,7 +183,7 @@ def main() -> int:
         "tool": "bench_comm",
         "spar_comm_version": spar_comm.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi_library": library_name(),
         "world_size": world.size,
         "num_nodes": topology.num_nodes,
         "node_sizes": topology.node_sizes,

@@ -27,12 +27,12 @@ import time
 from typing import Dict, List
 
 import numpy as np
-from mpi4py import MPI
 
 from spar_comm import ALGORITHMS, Topology, make_allreducer
 from spar_comm.cli import comma_list, density, positive_float, positive_int
 from spar_comm.consensus import raise_if_any
 from spar_comm.launch import run_main
+from spar_comm.mpi_strings import library_name
 
 #: What a snapshot holds, and how each figure is measured.
 FIGURES = ("rss_kib", "fds", "shm_segments")
@@ -139,7 +139,7 @@ def main() -> int:
               f"{', '.join(args.algorithms)}, {args.rebuilds} builds of each; {topology.describe().split(';')[0]}")
         if args.out:
             document = {"meta": {**vars(args), "world_size": world.size, "topology": topology.describe(),
-                                 "mpi_library": MPI.Get_library_version().splitlines()[0].strip()},
+                                 "mpi_library": library_name()},
                         "seconds": seconds, "snapshots": snapshots, "growth": verdicts, "passed": passed}
             with open(args.out, "w") as stream:
                 json.dump(document, stream, indent=1)

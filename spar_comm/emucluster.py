@@ -8,6 +8,8 @@ MPICH's ``mpiexec`` starts one proxy per host through a launcher script that
 enters the host's namespace; with the OFI netmod over TCP, ranks on different
 hosts talk through the shaped links while ranks on one host share memory, and
 ``Split_type(COMM_TYPE_SHARED)`` finds the hosts by itself.
+It needs MPICH's launcher (Hydra): Open MPI's ``prterun`` starts its daemons
+another way and is refused with a message that says so.
 
 Everything created carries one prefix (namespaces ``<prefix>-h<i>``, bridge
 ``<prefix>-br``, root-side veths ``<prefix>-v<i>``) and ``down`` removes it,
@@ -319,8 +321,10 @@ def link_counters(spec: ClusterSpec) -> List[Dict[str, int]]:
 
 def mpiexec_command(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional[str] = None,
                     ranks: Optional[int] = None) -> List[str]:
-    """``mpiexec`` across the emulated hosts, ``ranks_per_host`` on each by default."""
-    mpiexec = mpiexec or shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+    """``mpiexec`` across the emulated hosts, ``ranks_per_host`` on each by default.
+    EmuClusterError when ``mpiexec`` is not MPICH's."""
+    mpiexec = mpiexec or default_mpiexec()
+    require_hydra(mpiexec)
     hosts = ",".join(f"{address}:{spec.ranks_per_host}" for address in spec.addresses)
     env = [arg for name, value in MPI_ENV.items() for arg in ("-genv", name, value)]
     return [
@@ -328,6 +332,27 @@ def mpiexec_command(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional
         "-hosts", hosts, "-iface", spec.bridge, "-n", str(ranks or spec.hosts * spec.ranks_per_host),
         *env, *command,
     ]
+
+
+def default_mpiexec() -> str:
+    """The launcher beside this Python (the mpich wheel's), else ``mpiexec`` on PATH."""
+    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+
+
+def require_hydra(mpiexec: str) -> None:
+    """EmuClusterError unless ``mpiexec`` is MPICH's Hydra, the only launcher
+    that takes the namespaces' launch script (``-launcher-exec``)."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise EmuClusterError(f"cannot run the MPI launcher {mpiexec!r}: {error}") from None
+    if "HYDRA" in version:
+        return
+    kind = "Open MPI's" if "Open MPI" in version else "not MPICH's"
+    raise EmuClusterError(
+        f"the emulated cluster needs MPICH's mpiexec (Hydra), and {mpiexec} is {kind}: "
+        "run it from an environment with the mpich wheel (pip install 'spar_comm[mpich]') "
+        "or name MPICH's launcher with --mpiexec")
 
 
 def run(spec: ClusterSpec, command: Sequence[str], timeout: Optional[float] = None,

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from .consensus import raise_if_any, require_same
 from .device import open_memory
 from .memory import HostMemory
+from .mpi_strings import processor_name
 
 ENV_RANKS_PER_NODE = "SPAR_COMM_RANKS_PER_NODE"
 
@@ -93,7 +94,7 @@ class Topology:
         self.node: int = firsts.index((first, self.local_size))
         self.num_nodes: int = len(firsts)
         self.node_sizes: List[int] = [size for _, size in firsts]
-        self.hosts: List[str] = self.world.allgather(MPI.Get_processor_name())
+        self.hosts: List[str] = self.world.allgather(processor_name())
 
         self.rail: MPI.Comm = self.world.Split(color=self.local_rank, key=self.node)
         self.leader: MPI.Comm = self.world.Split(

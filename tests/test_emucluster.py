@@ -1,17 +1,29 @@
 """The emulated cluster, where this machine allows it (root, network
-namespaces); skipped cleanly elsewhere."""
+namespaces, MPICH's launcher); skipped cleanly elsewhere."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+from mpi4py import MPI
 
 from conftest import ROOT
 from spar_comm import emucluster
 
-REASON = emucluster.available()
+
+def unavailable():
+    """Why no emulated cluster can run here (no root or namespaces, or no MPICH), else None."""
+    try:
+        emucluster.require_hydra(emucluster.default_mpiexec())
+    except emucluster.EmuClusterError as error:
+        return str(error)
+    return emucluster.available()
+
+
+REASON = unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 PREFIX = "spt"  # not the default, so a user's own cluster is never touched
 
@@ -129,3 +141,22 @@ def test_driver_reports_bad_input_with_status_2(run_driver):
     assert result.returncode == 2 and "hosts must be" in result.stderr
     result = run_driver("emucluster.py", "run")
     assert result.returncode == 2 and "run needs a command" in result.stderr
+
+
+def test_only_mpichs_launcher_is_taken(tmp_path):
+    """The launch script is Hydra's (-launcher-exec): Open MPI's launcher is
+    refused by name, and so is the one beside this Python unless MPI is MPICH."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'mpiexec (Open MPI) 5.0.11'\n")
+    fake.chmod(0o755)
+    with pytest.raises(emucluster.EmuClusterError, match=r"needs MPICH's mpiexec \(Hydra\), and .* is Open MPI's"):
+        emucluster.require_hydra(str(fake))
+    with pytest.raises(emucluster.EmuClusterError, match="cannot run the MPI launcher"):
+        emucluster.require_hydra(str(tmp_path / "missing"))
+    beside = emucluster.default_mpiexec()
+    assert os.path.dirname(beside) == os.path.dirname(sys.executable)
+    if MPI.get_vendor()[0] == "MPICH":
+        emucluster.require_hydra(beside)
+    else:
+        with pytest.raises(emucluster.EmuClusterError, match="needs MPICH's mpiexec"):
+            emucluster.require_hydra(beside)

@@ -17,9 +17,9 @@ import pytest
 
 from spar_comm.training.trace import read_trace
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+from conftest import ROOT, find_mpiexec
+
+MPIEXEC = find_mpiexec()
 #: Small and fast: the MLP on digits with the exact selector (every method is tested elsewhere).
 FAST = ["--selector", "exact", "--no-progress", "--trace-every", "5", "--hidden", "32"]
 LIMIT = 120  # seconds: a hang fails the test instead of the suite
@@ -235,8 +235,12 @@ def _wait_for_steps(trace: Path, job: subprocess.Popen, steps: int = 10) -> None
 
 
 def _rank_pids(launcher: int) -> List[int]:
-    """The python processes started by mpiexec (its grandchildren, through the proxy)."""
+    """The train.py processes that mpiexec started: its grandchildren through
+    MPICH's proxy, its children under Open MPI's prterun."""
     out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
     rows = [line.split(None, 2) for line in out.splitlines()]
-    children = {int(p) for p, pp, _ in rows if int(pp) == launcher}
-    return sorted(int(p) for p, pp, args in rows if int(pp) in children and "train.py" in args)
+    below, found = {launcher}, True
+    while found:
+        found = {int(p) for p, pp, _ in rows if int(pp) in below} - below
+        below |= found
+    return sorted(int(p) for p, _, args in rows if int(p) in below - {launcher} and "train.py" in args)

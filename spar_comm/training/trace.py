@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from ..files import (DIGEST, BadFileError, attribute, create_hdf5, dataset, finite, fixed_length_text, open_hdf5, seal,
                      stamp, text_attributes, unstamp, verify)
+from ..mpi_strings import library_version
 
 PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "step")
 BYTES = ("intra", "inter")
@@ -121,7 +122,7 @@ class TraceWriter:
     def _create(self, world: int, attrs: Dict[str, Any], hosts: list) -> None:
         f = self.file
         f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        f.attrs["mpi_library"] = MPI.Get_library_version().strip()
+        f.attrs["mpi_library"] = library_version()
         for key, value in attrs.items():
             f.attrs[key] = value
         f.attrs["format"] = FORMAT
