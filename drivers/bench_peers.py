@@ -14,9 +14,12 @@ figures are medians of the timed rounds after warm-up.
   spar_hook          DDP + spar_comm.torch.comm_hook (hitopk), where this spar_comm has it
   no_comm            the same step with no communication: the floor
 
-A mode that fails is reported as failed, with each rank's error,
-on every rank alike; each DDP mode has a gloo group of its own with a
-time-out (--peer-timeout), so a failure never leaves the others waiting.
+A mode that fails is reported as failed, with each rank's error, on every
+rank alike. torch's modes run in processes of their own (forked from each
+rank, on a gloo group of their own), since gloo ends the whole process on
+some collective mismatches and DDP can wait for ever on a hook that went
+wrong: a peer that crashes or stays silent past --peer-timeout is failed,
+and the others go on.
 
 Bytes between nodes are per rank and step. spar_comm's modes report what they
 sent. For DDP they follow from the parameter shapes: gloo's ring allreduce of
@@ -39,9 +42,12 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import fcntl  # noqa: E402
 import json  # noqa: E402
+import itertools  # noqa: E402
+import multiprocessing  # noqa: E402
 import socket  # noqa: E402
 import struct  # noqa: E402
 import time  # noqa: E402
+from multiprocessing.connection import Connection  # noqa: E402
 from typing import Callable, List, Optional, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -65,8 +71,11 @@ from spar_comm.launch import run_main  # noqa: E402
 POWERSGD_RANKS = (1, 4)
 #: torch's default: compress a matrix only where that at least halves it.
 MIN_COMPRESSION_RATE = 2
-DDP_MODES = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS), "spar_hook")
-MODES = (*DDP_MODES[:-1], *(f"spar_{a}" for a in (*ALGORITHMS, "auto")), "spar_hook", "no_comm")
+#: torch's own modes, each run in a process of its own.
+PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
+MODES = (*PEERS, *(f"spar_{a}" for a in (*ALGORITHMS, "auto")), "spar_hook", "no_comm")
+#: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
+STARTUP_SECONDS = 120
 #: The ioctl that reads an interface's IPv4 address (linux/sockios.h).
 SIOCGIFADDR = 0x8915
 
@@ -94,9 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds a DDP mode may wait in a collective before it fails (default: %(default)s)")
     common.add_argument("--out", help="write the results as JSON here")
     common.add_argument("--plot", help="draw ms per step by mode into this PNG")
-    common.add_argument("--inject-failure", choices=DDP_MODES[:-1], metavar="MODE",
-                        help="make this DDP mode raise on the last rank in its first timed step, "
-                             "to show a failing peer is reported and blocks nothing")
+    common.add_argument("--inject-failure", choices=PEERS, metavar="MODE",
+                        help="make this peer's process abort on the last rank in its first timed step, "
+                             "to show that a failing peer is reported and blocks nothing")
     parser = argparse.ArgumentParser(prog="bench_peers.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     models = parser.add_subparsers(dest="model", required=True, metavar="{mlp,gpt,cnn}")
@@ -147,23 +156,30 @@ def interface_address(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def rendezvous_address(world: MPI.Comm) -> Tuple[Optional[str], Optional[str]]:
-    """Rank 0's address (GLOO_SOCKET_IFNAME's, else loopback on one host, else
-    its host name's) and a free port there; or a problem."""
+def rendezvous(world: MPI.Comm, count: int) -> List[str]:
+    """``count`` init_method addresses for torch.distributed, the same on every
+    rank: rank 0's address (GLOO_SOCKET_IFNAME's, else loopback on one host,
+    else its host name's) with a free port each. Collective."""
     hosts = world.allgather(socket.gethostname())
-    if world.rank:
-        return None, None
-    try:
-        interface = os.environ.get("GLOO_SOCKET_IFNAME")
-        if interface:
-            address = interface_address(interface.split(",")[0])
-        else:
-            address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
-        with socket.socket() as s:
-            s.bind((address, 0))
-            return f"tcp://{address}:{s.getsockname()[1]}", None
-    except OSError as error:
-        return None, f"cannot find rank 0's address for torch.distributed: {error}"
+    found: Tuple[List[str], Optional[str]] = ([], None)
+    if world.rank == 0:
+        try:
+            interface = os.environ.get("GLOO_SOCKET_IFNAME")
+            if interface:
+                address = interface_address(interface.split(",")[0])
+            else:
+                address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+            sockets = [socket.socket() for _ in range(count)]
+            for s in sockets:
+                s.bind((address, 0))
+            found = ([f"tcp://{address}:{s.getsockname()[1]}" for s in sockets], None)
+            for s in sockets:
+                s.close()
+        except OSError as error:
+            found = ([], f"cannot find rank 0's address for torch.distributed: {error}")
+    methods, problem = world.bcast(found)
+    raise_if_any(world, problem)
+    return methods
 
 
 def init_process_group(world: MPI.Comm, timeout: float) -> None:
@@ -173,9 +189,7 @@ def init_process_group(world: MPI.Comm, timeout: float) -> None:
     if own is not None:
         own(backend="gloo")
         return
-    init_method, problem = world.bcast(rendezvous_address(world))
-    raise_if_any(world, problem)
-    dist.init_process_group("gloo", init_method=init_method, rank=world.rank, world_size=world.size,
+    dist.init_process_group("gloo", init_method=rendezvous(world, 1)[0], rank=world.rank, world_size=world.size,
                             timeout=datetime.timedelta(seconds=timeout))
 
 
@@ -224,42 +238,127 @@ class Runner:
                  sent: Callable[[], Optional[float]], note: str = ""):
         self.model, self.optimizer, self.sent, self.note = model, optimizer, sent, note
 
-    def step(self, batch, loss: Callable) -> None:
+    def step(self, batch, loss: Callable) -> float:
+        """One training step; its seconds."""
+        start = time.perf_counter()
         self.optimizer.zero_grad()
         loss(self.model, batch).backward()
         self.optimizer.step()
+        return time.perf_counter() - start
 
 
-def build(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
-    """The runner of ``mode`` around ``replica`` (collective)."""
-    def sgd(params):
-        return torch.optim.SGD(params, lr=1e-3)
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
 
-    if mode == "no_comm":
-        return Runner(replica, sgd(replica.parameters()), lambda: 0.0)
-    if mode.startswith("spar_") and mode != "spar_hook":
-        opt = sct.DistributedOptimizer(sgd(replica.parameters()), replica.named_parameters(),
-                                       algorithm=mode[len("spar_"):], density=args.density, topology=topology,
-                                       bucket_cap_mb=args.bucket_cap_mb)
-        chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
-        return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
-                      f"chose {chosen}" if mode == "spar_auto" else "")
-    hook_factory = getattr(sct, "comm_hook", None)
-    if mode == "spar_hook" and hook_factory is None:
-        raise Unavailable("spar_comm.torch.comm_hook is not in this version of spar_comm")
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.peer_timeout))
-    model = DistributedDataParallel(replica, process_group=group, bucket_cap_mb=args.bucket_cap_mb)
+
+def build_ddp(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
+    """DDP around ``replica`` on the default process group, with ``mode``'s hook (collective)."""
+    model = DistributedDataParallel(replica, bucket_cap_mb=args.bucket_cap_mb)
     if mode == "ddp_fp16":
-        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif mode.startswith("ddp_powersgd_r"):
         state = powerSGD_hook.PowerSGDState(
-            process_group=group, matrix_approximation_rank=int(mode[len("ddp_powersgd_r"):]),
+            process_group=None, matrix_approximation_rank=int(mode[len("ddp_powersgd_r"):]),
             start_powerSGD_iter=2, min_compression_rate=MIN_COMPRESSION_RATE, random_seed=args.seed)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif mode == "spar_hook":
-        model.register_comm_hook(*hook_factory("hitopk", args.density, topology=topology))
-    sent = ddp_bytes(mode, replica, topology)
-    return Runner(model, sgd(model.parameters()), lambda: sent)
+        model.register_comm_hook(*sct.comm_hook("hitopk", args.density, topology=topology))
+    return Runner(model, sgd(model.parameters()), lambda: None)
+
+
+def build(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
+    """The runner of a mode that runs in this process (collective)."""
+    if mode == "no_comm":
+        return Runner(replica, sgd(replica.parameters()), lambda: 0.0)
+    if mode == "spar_hook":
+        if not hasattr(sct, "comm_hook"):
+            raise Unavailable("spar_comm.torch.comm_hook is not in this version of spar_comm")
+        if not dist.is_initialized():
+            init_process_group(topology.world, args.peer_timeout)
+        return build_ddp(mode, replica, args, topology)
+    opt = sct.DistributedOptimizer(sgd(replica.parameters()), replica.named_parameters(),
+                                   algorithm=mode[len("spar_"):], density=args.density, topology=topology,
+                                   bucket_cap_mb=args.bucket_cap_mb)
+    chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
+    return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
+                  f"chose {chosen}" if mode == "spar_auto" else "")
+
+
+def describe(error: BaseException) -> str:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}"[:300]
+
+
+def peer_main(conn: Connection, mode: str, init_method: str, rank: int, size: int, fail_at: Optional[int],
+              args: argparse.Namespace, replica: torch.nn.Module, loss: Callable) -> None:
+    """A DDP mode in a process of its own, forked from a rank before it starts
+    any thread: it takes its steps when the rank sends a batch (None: stop)
+    and answers ("ok", seconds) or ("error", text). A crash or a hang here
+    (gloo aborts the process on some collective mismatches) ends only it."""
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=args.peer_timeout))
+        runner = build_ddp(mode, replica, args, None)
+        conn.send(("ok", None))
+    except Exception as error:  # noqa: BLE001 (handed to the rank)
+        conn.send(("error", describe(error)))
+        return
+    for step in itertools.count():
+        batch = conn.recv()
+        if batch is None:
+            return
+        if step == fail_at:
+            os.abort()  # as gloo does on a mismatch
+        try:
+            conn.send(("ok", runner.step(tuple(map(torch.from_numpy, batch)), loss)))
+        except Exception as error:  # noqa: BLE001
+            conn.send(("error", describe(error)))
+
+
+class Peer:
+    """The rank's side of a ``peer_main`` process: its answers, waited for at
+    most --peer-timeout."""
+
+    def __init__(self, mode: str, init_method: str, world: MPI.Comm, args: argparse.Namespace,
+                 replica: torch.nn.Module, loss: Callable, sent: Optional[float]):
+        fail_at = args.warmup if mode == args.inject_failure and world.rank == world.size - 1 else None
+        self.conn, theirs = multiprocessing.get_context("fork").Pipe()
+        self.process = multiprocessing.get_context("fork").Process(
+            target=peer_main, args=(theirs, mode, init_method, world.rank, world.size, fail_at, args, replica, loss),
+            daemon=True)
+        self.process.start()
+        theirs.close()
+        self.timeout, self.sent, self.note = args.peer_timeout, lambda: sent, ""
+
+    def answer(self, timeout: Optional[float] = None) -> Optional[float]:
+        """The next answer's figure, waited for at most ``timeout`` (default
+        --peer-timeout); an exception for an error, a death or silence."""
+        timeout = timeout or self.timeout
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"no answer within {timeout:g} s")
+        try:
+            status, figure = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"its process died (exit code {self.process.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(figure)
+        return figure
+
+    def step(self, batch, loss: Callable) -> float:
+        self.conn.send(tuple(t.numpy() for t in batch))
+        return self.answer()
+
+    def close(self) -> None:
+        """Stop it: politely where it still listens, else for good."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
 
 def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Tuple[Optional[str], bool]:
@@ -271,8 +370,7 @@ def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Tuple[Optional[
     except Unavailable as e:
         error, unavailable = str(e), True
     except Exception as e:  # noqa: BLE001 (a peer's failure is a result, whatever it is)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        error = f"{type(e).__name__}: {first}"[:300]
+        error = describe(e)
     everyone = world.allgather((error, unavailable))
     if any(u for _, u in everyone):
         return next(e for e, u in everyone if u), True
@@ -281,23 +379,42 @@ def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Tuple[Optional[
 
 
 # -- the measurement ---------------------------------------------------------------------------
+def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callable, loss: Callable,
+                results: dict) -> dict:
+    """Every mode's runner (or Peer), in ``args.modes`` order; a mode that
+    cannot start gets its error in ``results``. The peers' processes are
+    forked first, before spar_comm starts its threads."""
+    world = topology.world
+    peers = [mode for mode in args.modes if mode in PEERS]
+    started = {}
+    for mode, method in zip(peers, rendezvous(world, len(peers))):
+        replica = new_model()
+        started[mode] = Peer(mode, method, world, args, replica, loss, ddp_bytes(mode, replica, topology))
+    runners = {}
+    for mode in args.modes:
+        def construct(mode=mode):
+            if mode in started:
+                started[mode].answer(max(STARTUP_SECONDS, args.peer_timeout))
+                runners[mode] = started[mode]
+            else:
+                runners[mode] = build(mode, new_model(), args, topology)
+        error, unavailable = agreed_error(world, construct)
+        if error:
+            results[mode].update(status="unavailable" if unavailable else "failed", error=error)
+            if mode in started:
+                started[mode].close()
+    return runners
+
+
 def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], int]:
     """One result per mode, in ``args.modes`` order, and the model's parameter count."""
     world = topology.world
     new_model, next_batch, loss = workload(args, world.rank)
     results = {mode: dict(mode=mode, status="ok", error=None, note="") for mode in args.modes}
-    runners = {}
-    for mode in args.modes:
-        def construct(mode=mode):
-            runners[mode] = build(mode, new_model(), args, topology)
-        error, unavailable = agreed_error(world, construct)
-        if error:
-            results[mode].update(status="unavailable" if unavailable else "failed", error=error)
-            runners.pop(mode, None)
-    rounds = args.warmup + args.repeat
+    runners = start_modes(args, topology, new_model, loss, results)
     seconds = np.zeros((len(args.modes), args.repeat))
     sent = np.zeros((len(args.modes), args.repeat))
-    for i in range(rounds):
+    for i in range(args.warmup + args.repeat):
         batch = next_batch()
         for m, mode in enumerate(args.modes):
             runner = runners.get(mode)
@@ -305,22 +422,19 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
                 continue
             world.Barrier()
             elapsed = []
-
-            def step(runner=runner, mode=mode):
-                if mode == args.inject_failure and i == args.warmup and world.rank == world.size - 1:
-                    raise RuntimeError("failure injected by --inject-failure")
-                start = time.perf_counter()
-                runner.step(batch, loss)
-                elapsed.append(time.perf_counter() - start)
-
-            error, _ = agreed_error(world, step)
+            error, _ = agreed_error(world, lambda: elapsed.append(runner.step(batch, loss)))
             if error:
                 results[mode].update(status="failed", error=f"round {i + 1}: {error}")
-                runners.pop(mode)  # left as it is: its gloo group is never used again
+                runners.pop(mode)
+                if isinstance(runner, Peer):
+                    runner.close()
             elif i >= args.warmup:
                 seconds[m, i - args.warmup] = elapsed[0]
                 figure = runner.sent()
                 sent[m, i - args.warmup] = np.nan if figure is None else figure
+    for runner in runners.values():
+        if isinstance(runner, Peer):
+            runner.close()
     slowest = np.empty_like(seconds)
     world.Allreduce(seconds, slowest, op=MPI.MAX)
     mean_sent = np.empty_like(sent)
@@ -391,11 +505,14 @@ def main() -> None:
     raise_if_any(world, output_problem(args) if world.rank == 0 else None)
     torch.set_num_threads(1)
     topology = Topology(ranks_per_node=args.ranks_per_node)
-    if any(mode in DDP_MODES for mode in args.modes):
-        init_process_group(world, args.peer_timeout)
     results, parameters = measure(args, topology)
-    if world.rank:
-        return
+    if world.rank == 0:
+        report(args, world, topology, results, parameters)
+
+
+def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, results: List[dict],
+           parameters: int) -> None:
+    """Rank 0: the table, and the plot and JSON where asked."""
     title = (f"{args.model}, {parameters:,} parameters; {world.size} ranks, {topology.describe().split(';')[0]}; "
              f"batch {args.batch_size} per rank; median of {args.repeat}")
     print(title)
