@@ -31,6 +31,9 @@ BatchNorm buffers that DDP broadcasts are left out.
 
     mpiexec -n 4 python drivers/bench_peers.py mlp --ranks-per-node 2 --out peers.json --plot peers.png
     mpiexec -n 2 python drivers/bench_peers.py gpt --tiny --warmup 2 --repeat 2
+
+Across hosts, gloo needs GLOO_SOCKET_IFNAME, the interface between them
+(emu0 on the emulated cluster); rank 0's address on it is the rendezvous.
 """
 from __future__ import annotations
 
@@ -94,13 +97,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_argument("--batch-size", type=positive_int, default=32, help="per rank (default: %(default)s)")
     common.add_argument("--bucket-cap-mb", type=positive_float, default=25,
                         help="DDP's and spar_comm's buckets (default: %(default)s)")
+    common.add_argument("--powersgd-one-bucket", action="store_true",
+                        help="give PowerSGD's DDP one bucket for the whole model (it fails on gloo with several)")
     common.add_argument("--ranks-per-node", type=positive_int, default=None,
                         help="emulate nodes of this many consecutive ranks (default: real nodes)")
     common.add_argument("--warmup", type=positive_int, default=3, help="untimed rounds (default: %(default)s)")
     common.add_argument("--repeat", type=positive_int, default=10, help="timed rounds (default: %(default)s)")
     common.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     common.add_argument("--peer-timeout", type=positive_float, default=120,
-                        help="seconds a DDP mode may wait in a collective before it fails (default: %(default)s)")
+                        help="seconds a peer's step may take before the peer is failed (default: %(default)s)")
     common.add_argument("--out", help="write the results as JSON here")
     common.add_argument("--plot", help="draw ms per step by mode into this PNG")
     common.add_argument("--inject-failure", choices=PEERS, metavar="MODE",
@@ -253,7 +258,10 @@ def sgd(params) -> torch.optim.Optimizer:
 
 def build_ddp(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
     """DDP around ``replica`` on the default process group, with ``mode``'s hook (collective)."""
-    model = DistributedDataParallel(replica, bucket_cap_mb=args.bucket_cap_mb)
+    cap = args.bucket_cap_mb
+    if mode.startswith("ddp_powersgd_r") and args.powersgd_one_bucket:
+        cap = max(cap, 1 + sum(p.numel() * p.element_size() for p in replica.parameters()) / 2**20)
+    model = DistributedDataParallel(replica, bucket_cap_mb=cap)
     if mode == "ddp_fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif mode.startswith("ddp_powersgd_r"):
