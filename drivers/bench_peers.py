@@ -1,0 +1,543 @@
+#!/usr/bin/env python
+"""spar_comm against what PyTorch users run today, on the same model, data and
+ranks in one run.
+
+Every mode holds its own replica of the model and its own optimizer; the
+modes take their steps in turn (one step each, round after round), so a slow
+spell of the machine hits all alike. A step's time is the slowest rank's;
+figures are medians of the timed rounds after warm-up.
+
+  ddp                DistributedDataParallel on gloo
+  ddp_fp16           DDP + fp16_compress_hook
+  ddp_powersgd_r1/4  DDP + powerSGD_hook at rank 1 and 4 (compressing from its step 2)
+  spar_<algorithm>   spar_comm.torch.DistributedOptimizer with each algorithm, and auto
+  spar_hook          DDP + spar_comm.torch.comm_hook (hitopk), where this spar_comm has it
+  no_comm            the same step with no communication: the floor
+
+A mode that fails is reported as failed, with each rank's error, on every
+rank alike. torch's modes run in processes of their own (forked from each
+rank, on a gloo group of their own), since gloo ends the whole process on
+some collective mismatches and DDP can wait for ever on a hook that went
+wrong: a peer that crashes or stays silent past --peer-timeout is failed,
+and the others go on.
+
+Bytes between nodes are per rank and step. spar_comm's modes report what they
+sent. For DDP they follow from the parameter shapes: gloo's ring allreduce of
+n bytes over p ranks sends 2(p-1)/p n from each rank; fp16 halves n; PowerSGD
+sends P (rows x rank) and Q (columns x rank) of every matrix it compresses
+and the rest whole, by torch's own rule (min_compression_rate 2). As for
+spar_comm's dense, everything counts as between nodes once the job spans two;
+BatchNorm buffers that DDP broadcasts are left out.
+
+    mpiexec -n 4 python drivers/bench_peers.py mlp --ranks-per-node 2 --out peers.json --plot peers.png
+    mpiexec -n 2 python drivers/bench_peers.py gpt --tiny --warmup 2 --repeat 2
+
+Across hosts, gloo needs GLOO_SOCKET_IFNAME, the interface between them
+(emu0 on the emulated cluster); rank 0's address on it is the rendezvous.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores already
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import fcntl  # noqa: E402
+import json  # noqa: E402
+import itertools  # noqa: E402
+import multiprocessing  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+import time  # noqa: E402
+from multiprocessing.connection import Connection  # noqa: E402
+from typing import Callable, List, Optional, Tuple  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import bench_overlap  # noqa: E402
+import spar_comm  # noqa: E402
+import spar_comm.torch as sct  # noqa: E402
+import train_cnn  # noqa: E402
+import train_gpt  # noqa: E402
+from spar_comm import ALGORITHMS, Topology  # noqa: E402
+from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
+from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.launch import run_main  # noqa: E402
+
+POWERSGD_RANKS = (1, 4)
+#: torch's default: compress a matrix only where that at least halves it.
+MIN_COMPRESSION_RATE = 2
+#: torch's own modes, each run in a process of its own.
+PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
+MODES = (*PEERS, *(f"spar_{a}" for a in (*ALGORITHMS, "auto")), "spar_hook", "no_comm")
+#: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
+STARTUP_SECONDS = 120
+#: The ioctl that reads an interface's IPv4 address (linux/sockios.h).
+SIOCGIFADDR = 0x8915
+
+
+class Unavailable(Exception):
+    """A mode this installation cannot run (raised alike on every rank)."""
+
+
+# -- arguments -------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--modes", type=comma_list(str, MODES.__contains__, f"one of {', '.join(MODES)}"),
+                        default=list(MODES), help="comma-separated (default: all)")
+    common.add_argument("--density", type=density, default=0.001,
+                        help="spar_comm's share of each gradient sent (default: %(default)s)")
+    common.add_argument("--batch-size", type=positive_int, default=32, help="per rank (default: %(default)s)")
+    common.add_argument("--bucket-cap-mb", type=positive_float, default=25,
+                        help="DDP's and spar_comm's buckets (default: %(default)s)")
+    common.add_argument("--powersgd-one-bucket", action="store_true",
+                        help="give PowerSGD's DDP one bucket for the whole model (it fails on gloo with several)")
+    common.add_argument("--ranks-per-node", type=positive_int, default=None,
+                        help="emulate nodes of this many consecutive ranks (default: real nodes)")
+    common.add_argument("--warmup", type=positive_int, default=3, help="untimed rounds (default: %(default)s)")
+    common.add_argument("--repeat", type=positive_int, default=10, help="timed rounds (default: %(default)s)")
+    common.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    common.add_argument("--peer-timeout", type=positive_float, default=120,
+                        help="seconds a peer's step may take before the peer is failed (default: %(default)s)")
+    common.add_argument("--out", help="write the results as JSON here")
+    common.add_argument("--plot", help="draw ms per step by mode into this PNG")
+    common.add_argument("--inject-failure", choices=PEERS, metavar="MODE",
+                        help="make this peer's process abort on the last rank in its first timed step, "
+                             "to show that a failing peer is reported and blocks nothing")
+    parser = argparse.ArgumentParser(prog="bench_peers.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    models = parser.add_subparsers(dest="model", required=True, metavar="{mlp,gpt,cnn}")
+    mlp = models.add_parser("mlp", parents=[common], help="an MLP on random data (17.3M parameters by default)")
+    mlp.add_argument("--inputs", type=positive_int, default=256, help="(default: %(default)s)")
+    mlp.add_argument("--hidden", type=positive_int, default=2048, help="(default: %(default)s)")
+    mlp.add_argument("--layers", type=positive_int, default=4, help="hidden-to-hidden layers (default: %(default)s)")
+    gpt = models.add_parser("gpt", parents=[common], help="drivers/train_gpt.py's GPT on its text")
+    train_gpt.add_model_arguments(gpt)
+    cnn = models.add_parser("cnn", parents=[common], help="drivers/train_cnn.py's ResNet on its digits")
+    train_cnn.add_model_arguments(cnn)
+    args = parser.parse_args(argv)
+    if args.model == "gpt":
+        train_gpt.settle_model_arguments(gpt, args)
+    return args
+
+
+# -- the workload: a model, its batches, its loss ------------------------------------------------
+def classify(model: torch.nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def workload(args: argparse.Namespace, rank: int) -> Tuple[Callable, Callable, Callable]:
+    """(new model, batch of a round, loss): every new model starts from the same weights."""
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    if args.model == "gpt":
+        text, _ = train_gpt.stdlib_text()
+        return (lambda: train_gpt.build_model(args),
+                lambda: train_gpt.random_batch(text, args.batch_size, args.context, generator),
+                lambda model, batch: model(*batch))
+    if args.model == "cnn":
+        x, y, _, _ = train_cnn.digits_images(args.image)
+
+        def batch():
+            picked = torch.randint(len(y), (args.batch_size,), generator=generator)
+            return x[picked], y[picked]
+
+        return lambda: train_cnn.build_model(args), batch, classify
+    x = torch.randn(args.batch_size, args.inputs, generator=generator)
+    y = torch.randint(10, (args.batch_size,), generator=generator)
+    return lambda: bench_overlap.mlp(args), lambda: (x, y), classify
+
+
+# -- torch.distributed from the MPI launch ------------------------------------------------------
+def interface_address(name: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def rendezvous(world: MPI.Comm, count: int) -> List[str]:
+    """``count`` init_method addresses for torch.distributed, the same on every
+    rank: rank 0's address (GLOO_SOCKET_IFNAME's, else loopback on one host,
+    else its host name's) with a free port each. Collective."""
+    hosts = world.allgather(socket.gethostname())
+    found: Tuple[List[str], Optional[str]] = ([], None)
+    if world.rank == 0:
+        try:
+            interface = os.environ.get("GLOO_SOCKET_IFNAME")
+            if interface:
+                address = interface_address(interface.split(",")[0])
+            else:
+                address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+            sockets = [socket.socket() for _ in range(count)]
+            for s in sockets:
+                s.bind((address, 0))
+            found = ([f"tcp://{address}:{s.getsockname()[1]}" for s in sockets], None)
+            for s in sockets:
+                s.close()
+        except OSError as error:
+            found = ([], f"cannot find rank 0's address for torch.distributed: {error}")
+    methods, problem = world.bcast(found)
+    raise_if_any(world, problem)
+    return methods
+
+
+def init_process_group(world: MPI.Comm, timeout: float) -> None:
+    """Start torch.distributed (gloo) on the MPI job's ranks: with
+    spar_comm.torch.init_process_group where this spar_comm has it."""
+    own = getattr(sct, "init_process_group", None)
+    if own is not None:
+        own(backend="gloo")
+        return
+    dist.init_process_group("gloo", init_method=rendezvous(world, 1)[0], rank=world.rank, world_size=world.size,
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+# -- bytes between nodes of DDP's modes ------------------------------------------------------------
+def ring_bytes(nbytes: float, ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
+def powersgd_elements(shapes: List[Tuple[int, ...]], rank: int) -> Tuple[int, int, int]:
+    """(uncompressed, P, Q) elements one PowerSGD step allreduces, by torch's
+    rule: a tensor of 2+ dimensions is a matrix of shape[0] rows; it is
+    compressed where (rows + columns) * rank * MIN_COMPRESSION_RATE < rows * columns."""
+    whole = p = q = 0
+    for shape in shapes:
+        numel = int(np.prod(shape))
+        rows = shape[0] if len(shape) > 1 else 0
+        cols = numel // rows if rows else 0
+        if rows and (rows + cols) * rank * MIN_COMPRESSION_RATE < numel:
+            p, q = p + rows * rank, q + cols * rank
+        else:
+            whole += numel
+    return whole, p, q
+
+
+def ddp_bytes(mode: str, model: torch.nn.Module, topology: Topology) -> Optional[float]:
+    """What ``mode`` sends between nodes per rank and step (float32 gradients)."""
+    if topology.num_nodes == 1:
+        return 0.0
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    ranks = topology.world.size
+    if mode == "ddp":
+        return ring_bytes(4 * sum(int(np.prod(s)) for s in shapes), ranks)
+    if mode == "ddp_fp16":
+        return ring_bytes(2 * sum(int(np.prod(s)) for s in shapes), ranks)
+    if mode.startswith("ddp_powersgd_r"):
+        whole, p, q = powersgd_elements(shapes, int(mode[len("ddp_powersgd_r"):]))
+        return ring_bytes(4 * (whole + p), ranks) + ring_bytes(4 * q, ranks)
+    return None  # spar_hook: its own figures are not known here
+
+
+# -- the modes ---------------------------------------------------------------------------------
+class Runner:
+    """One mode: its replica of the model, its optimizer, and what a step sends between nodes."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sent: Callable[[], Optional[float]], note: str = ""):
+        self.model, self.optimizer, self.sent, self.note = model, optimizer, sent, note
+
+    def step(self, batch, loss: Callable) -> float:
+        """One training step; its seconds."""
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss(self.model, batch).backward()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def build_ddp(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
+    """DDP around ``replica`` on the default process group, with ``mode``'s hook (collective)."""
+    cap = args.bucket_cap_mb
+    if mode.startswith("ddp_powersgd_r") and args.powersgd_one_bucket:
+        cap = max(cap, 1 + sum(p.numel() * p.element_size() for p in replica.parameters()) / 2**20)
+    model = DistributedDataParallel(replica, bucket_cap_mb=cap)
+    if mode == "ddp_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif mode.startswith("ddp_powersgd_r"):
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=int(mode[len("ddp_powersgd_r"):]),
+            start_powerSGD_iter=2, min_compression_rate=MIN_COMPRESSION_RATE, random_seed=args.seed)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif mode == "spar_hook":
+        model.register_comm_hook(*sct.comm_hook("hitopk", args.density, topology=topology))
+    return Runner(model, sgd(model.parameters()), lambda: None)
+
+
+def build(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
+    """The runner of a mode that runs in this process (collective)."""
+    if mode == "no_comm":
+        return Runner(replica, sgd(replica.parameters()), lambda: 0.0)
+    if mode == "spar_hook":
+        if not hasattr(sct, "comm_hook"):
+            raise Unavailable("spar_comm.torch.comm_hook is not in this version of spar_comm")
+        if not dist.is_initialized():
+            init_process_group(topology.world, args.peer_timeout)
+        return build_ddp(mode, replica, args, topology)
+    opt = sct.DistributedOptimizer(sgd(replica.parameters()), replica.named_parameters(),
+                                   algorithm=mode[len("spar_"):], density=args.density, topology=topology,
+                                   bucket_cap_mb=args.bucket_cap_mb)
+    chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
+    return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
+                  f"chose {chosen}" if mode == "spar_auto" else "")
+
+
+def describe(error: BaseException) -> str:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}"[:300]
+
+
+def peer_main(conn: Connection, mode: str, init_method: str, rank: int, size: int, fail_at: Optional[int],
+              args: argparse.Namespace, replica: torch.nn.Module, loss: Callable) -> None:
+    """A DDP mode in a process of its own, forked from a rank before it starts
+    any thread: it takes its steps when the rank sends a batch (None: stop)
+    and answers ("ok", seconds) or ("error", text). A crash or a hang here
+    (gloo aborts the process on some collective mismatches) ends only it."""
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=args.peer_timeout))
+        runner = build_ddp(mode, replica, args, None)
+        conn.send(("ok", None))
+    except Exception as error:  # noqa: BLE001 (handed to the rank)
+        conn.send(("error", describe(error)))
+        return
+    for step in itertools.count():
+        batch = conn.recv()
+        if batch is None:
+            return
+        if step == fail_at:
+            os.abort()  # as gloo does on a mismatch
+        try:
+            conn.send(("ok", runner.step(tuple(map(torch.from_numpy, batch)), loss)))
+        except Exception as error:  # noqa: BLE001
+            conn.send(("error", describe(error)))
+
+
+class Peer:
+    """The rank's side of a ``peer_main`` process: its answers, waited for at
+    most --peer-timeout."""
+
+    def __init__(self, mode: str, init_method: str, world: MPI.Comm, args: argparse.Namespace,
+                 replica: torch.nn.Module, loss: Callable, sent: Optional[float]):
+        fail_at = args.warmup if mode == args.inject_failure and world.rank == world.size - 1 else None
+        self.conn, theirs = multiprocessing.get_context("fork").Pipe()
+        self.process = multiprocessing.get_context("fork").Process(
+            target=peer_main, args=(theirs, mode, init_method, world.rank, world.size, fail_at, args, replica, loss),
+            daemon=True)
+        self.process.start()
+        theirs.close()
+        self.timeout, self.sent, self.note = args.peer_timeout, lambda: sent, ""
+
+    def answer(self, timeout: Optional[float] = None) -> Optional[float]:
+        """The next answer's figure, waited for at most ``timeout`` (default
+        --peer-timeout); an exception for an error, a death or silence."""
+        timeout = timeout or self.timeout
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"no answer within {timeout:g} s")
+        try:
+            status, figure = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"its process died (exit code {self.process.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(figure)
+        return figure
+
+    def step(self, batch, loss: Callable) -> float:
+        self.conn.send(tuple(t.numpy() for t in batch))
+        return self.answer()
+
+    def close(self) -> None:
+        """Stop it: politely where it still listens, else for good."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Tuple[Optional[str], bool]:
+    """Run ``action`` on every rank; (every rank's error, whether it was
+    Unavailable), the same on every rank; (None, False) where all succeeded."""
+    error, unavailable = None, False
+    try:
+        action()
+    except Unavailable as e:
+        error, unavailable = str(e), True
+    except Exception as e:  # noqa: BLE001 (a peer's failure is a result, whatever it is)
+        error = describe(e)
+    everyone = world.allgather((error, unavailable))
+    if any(u for _, u in everyone):
+        return next(e for e, u in everyone if u), True
+    errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
+    return ("; ".join(errors) if errors else None), False
+
+
+# -- the measurement ---------------------------------------------------------------------------
+def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callable, loss: Callable,
+                results: dict) -> dict:
+    """Every mode's runner (or Peer), in ``args.modes`` order; a mode that
+    cannot start gets its error in ``results``. The peers' processes are
+    forked first, before spar_comm starts its threads."""
+    world = topology.world
+    peers = [mode for mode in args.modes if mode in PEERS]
+    started = {}
+    for mode, method in zip(peers, rendezvous(world, len(peers))):
+        replica = new_model()
+        started[mode] = Peer(mode, method, world, args, replica, loss, ddp_bytes(mode, replica, topology))
+    runners = {}
+    for mode in args.modes:
+        def construct(mode=mode):
+            if mode in started:
+                started[mode].answer(max(STARTUP_SECONDS, args.peer_timeout))
+                runners[mode] = started[mode]
+            else:
+                runners[mode] = build(mode, new_model(), args, topology)
+        error, unavailable = agreed_error(world, construct)
+        if error:
+            results[mode].update(status="unavailable" if unavailable else "failed", error=error)
+            if mode in started:
+                started[mode].close()
+    return runners
+
+
+def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], int]:
+    """One result per mode, in ``args.modes`` order, and the model's parameter count."""
+    world = topology.world
+    new_model, next_batch, loss = workload(args, world.rank)
+    results = {mode: dict(mode=mode, status="ok", error=None, note="") for mode in args.modes}
+    runners = start_modes(args, topology, new_model, loss, results)
+    seconds = np.zeros((len(args.modes), args.repeat))
+    sent = np.zeros((len(args.modes), args.repeat))
+    for i in range(args.warmup + args.repeat):
+        batch = next_batch()
+        for m, mode in enumerate(args.modes):
+            runner = runners.get(mode)
+            if runner is None:
+                continue
+            world.Barrier()
+            elapsed = []
+            error, _ = agreed_error(world, lambda: elapsed.append(runner.step(batch, loss)))
+            if error:
+                results[mode].update(status="failed", error=f"round {i + 1}: {error}")
+                runners.pop(mode)
+                if isinstance(runner, Peer):
+                    runner.close()
+            elif i >= args.warmup:
+                seconds[m, i - args.warmup] = elapsed[0]
+                figure = runner.sent()
+                sent[m, i - args.warmup] = np.nan if figure is None else figure
+    for runner in runners.values():
+        if isinstance(runner, Peer):
+            runner.close()
+    slowest = np.empty_like(seconds)
+    world.Allreduce(seconds, slowest, op=MPI.MAX)
+    mean_sent = np.empty_like(sent)
+    world.Allreduce(sent, mean_sent, op=MPI.SUM)
+    mean_sent /= world.size
+    for m, mode in enumerate(args.modes):
+        if results[mode]["status"] == "ok":
+            bytes_inter = float(np.median(mean_sent[m]))
+            results[mode].update(step_ms=1e3 * float(np.median(slowest[m])),
+                                 bytes_inter=None if np.isnan(bytes_inter) else bytes_inter,
+                                 note=runners[mode].note)
+    ddp = results.get("ddp", {}).get("step_ms")
+    for result in results.values():
+        if "step_ms" in result:
+            result["ratio_to_ddp"] = result["step_ms"] / ddp if ddp else None
+    parameters = sum(p.numel() for p in new_model().parameters())
+    return [results[mode] for mode in args.modes], parameters
+
+
+# -- output ------------------------------------------------------------------------------------
+def table(results: List[dict]) -> str:
+    lines = [f"{'mode':<18}{'ms/step':>10}{'x DDP':>8}{'MB between nodes':>18}  note"]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"{r['mode']:<18}{r['status']:>10}{'':>8}{'':>18}  {r['error']}")
+            continue
+        ratio = f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-"
+        sent = f"{r['bytes_inter'] / 1e6:.4g}" if r["bytes_inter"] is not None else "unknown"
+        lines.append(f"{r['mode']:<18}{r['step_ms']:>10.1f}{ratio:>8}{sent:>18}  {r['note']}")
+    return "\n".join(lines)
+
+
+def plot(results: List[dict], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(results) + 1.5))
+    names = [r["mode"] for r in results][::-1]
+    values = [r.get("step_ms", 0.0) for r in results][::-1]
+    bars = ax.barh(names, values, color=["tab:blue" if n.startswith("spar_") else "tab:gray" for n in names])
+    for bar, r in zip(bars, results[::-1]):
+        if r["status"] != "ok":
+            ax.text(0, bar.get_y() + bar.get_height() / 2, f" {r['status']}", va="center", color="tab:red")
+    ax.set_xlabel("ms per step (slowest rank, median)")
+    ax.set_title(title.replace("; ", "\n", 1), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def output_problem(args: argparse.Namespace) -> Optional[str]:
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            return f"cannot write {flag} {path}"
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib"
+    return None
+
+
+def main() -> None:
+    args = parse_args()
+    world = MPI.COMM_WORLD
+    raise_if_any(world, output_problem(args) if world.rank == 0 else None)
+    torch.set_num_threads(1)
+    topology = Topology(ranks_per_node=args.ranks_per_node)
+    results, parameters = measure(args, topology)
+    if world.rank == 0:
+        report(args, world, topology, results, parameters)
+
+
+def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, results: List[dict],
+           parameters: int) -> None:
+    """Rank 0: the table, and the plot and JSON where asked."""
+    title = (f"{args.model}, {parameters:,} parameters; {world.size} ranks, {topology.describe().split(';')[0]}; "
+             f"batch {args.batch_size} per rank; median of {args.repeat}")
+    print(title)
+    print(table(results), flush=True)
+    if args.plot:
+        plot(results, title, args.plot)
+    if args.out:
+        document = dict(
+            benchmark="bench_peers", version=spar_comm.__version__, torch=torch.__version__,
+            world_size=world.size, nodes=topology.num_nodes, topology=topology.describe(),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(), parameters=parameters,
+            settings={k: v for k, v in vars(args).items() if k not in ("out", "plot")}, results=results,
+        )
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(document, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    run_main(main, "bench_peers.py")

@@ -1,0 +1,90 @@
+"""The two real workloads (drivers/train_gpt.py, drivers/train_cnn.py) and
+drivers/bench_peers.py in smoke sizes, under mpiexec -n 2 with a hard limit."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(ROOT / "drivers"))
+import bench_peers  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress  # noqa: E402
+
+
+def figures(stdout: str, name: str) -> list:
+    return [float(m) for m in re.findall(rf"{name} (\S+)\n", stdout)]
+
+
+def test_the_gpt_learns_the_standard_library_on_two_ranks(run_driver):
+    run = run_driver("train_gpt.py", "--tiny", "--steps", "40", "--eval-every", "20", "--density", "0.1",
+                     "--lr", "3e-3", ranks=2, timeout=180)
+    assert run.returncode == 0, run.stderr
+    losses = figures(run.stdout, "validation loss")
+    assert len(losses) == 2, run.stdout  # rank 0 alone prints
+    assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0] < math.log(256) + 0.5, losses
+
+
+def test_the_cnn_learns_the_digits_on_two_ranks(run_driver):
+    run = run_driver("train_cnn.py", "--width", "8", "--steps", "60", "--eval-every", "60", "--density", "0.1",
+                     ranks=2, timeout=180)
+    assert run.returncode == 0, run.stderr
+    accuracy = figures(run.stdout, "held-out accuracy")
+    assert len(accuracy) == 1 and accuracy[0] > 0.3, run.stdout  # ten classes: chance is 0.1
+
+
+@pytest.mark.parametrize("module, bad", [
+    ("train_gpt", ["--density", "2"]),
+    ("train_gpt", ["--tiny", "--heads", "3"]),
+    ("train_cnn", ["--algorithm", "nope"]),
+    ("bench_peers", ["cnn", "--modes", "ddp,nope"]),
+    ("bench_peers", ["--warmup", "2"]),  # no model named
+])
+def test_bad_arguments_exit_2_with_a_usage_message(module, bad, capsys):
+    with pytest.raises(SystemExit) as exit:
+        __import__(module).parse_args(bad)
+    assert exit.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_powersgd_bytes_follow_torchs_own_rule():
+    shapes = [(64, 3, 3, 3), (300, 20), (10, 10), (7,), (4096, 2048), (1, 5000)]
+    for rank in (1, 4):
+        whole = p = q = 0
+        for shape in shapes:
+            rows = shape[0] if len(shape) > 1 else 0
+            cols = math.prod(shape) // rows if rows else 0
+            if rows and _should_compress(rows, cols, rank, bench_peers.MIN_COMPRESSION_RATE)[0]:
+                p, q = p + rows * rank, q + cols * rank
+            else:
+                whole += math.prod(shape)
+        assert bench_peers.powersgd_elements(shapes, rank) == (whole, p, q)
+
+
+def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, tmp_path):
+    out, png = tmp_path / "peers.json", tmp_path / "peers.png"
+    run = run_driver("bench_peers.py", "gpt", "--tiny", "--batch-size", "2", "--ranks-per-node", "1",
+                     "--warmup", "2", "--repeat", "2", "--peer-timeout", "3", "--inject-failure", "ddp_fp16",
+                     "--out", out, "--plot", png, ranks=2, timeout=240)
+    assert run.returncode == 0, run.stderr
+    document = json.loads(out.read_text())
+    results = {r["mode"]: r for r in document["results"]}
+    assert list(results) == list(bench_peers.MODES), "every mode, in order"
+    failed = results["ddp_fp16"]
+    assert failed["status"] == "failed" and "rank 1: RuntimeError: its process died" in failed["error"], failed
+    hook = results["spar_hook"]
+    assert hook["status"] == "ok" or (hook["status"] == "unavailable" and "comm_hook" in hook["error"])
+    ok = {m: r for m, r in results.items() if r["status"] == "ok"}
+    assert set(ok) >= set(bench_peers.MODES) - {"ddp_fp16", "spar_hook"}, [r["error"] for r in results.values()]
+    assert all(r["step_ms"] > 0 and r["ratio_to_ddp"] > 0 for r in ok.values())
+    assert ok["ddp"]["ratio_to_ddp"] == 1.0 and ok["no_comm"]["bytes_inter"] == 0.0
+    # Two ranks, one a node: a ring allreduce sends every float32 gradient once,
+    # as spar_comm's own dense counts it.
+    assert ok["ddp"]["bytes_inter"] == ok["spar_dense"]["bytes_inter"] == 4 * document["parameters"]
+    assert 0 < ok["spar_hitopk"]["bytes_inter"] < ok["ddp"]["bytes_inter"] / 10
+    assert 0 < ok["ddp_powersgd_r1"]["bytes_inter"] < ok["ddp_powersgd_r4"]["bytes_inter"] < ok["ddp"]["bytes_inter"]
+    assert "failed" in run.stdout and "spar_hitopk" in run.stdout and png.stat().st_size > 0
