@@ -11,7 +11,7 @@ figures are medians of the timed rounds after warm-up.
   ddp_fp16           DDP + fp16_compress_hook
   ddp_powersgd_r1/4  DDP + powerSGD_hook at rank 1 and 4 (compressing from its step 2)
   spar_<algorithm>   spar_comm.torch.DistributedOptimizer with each algorithm, and auto
-  spar_hook          DDP + spar_comm.torch.comm_hook (hitopk), where this spar_comm has it
+  spar_hook          DDP + spar_comm.torch.comm_hook (hitopk)
   no_comm            the same step with no communication: the floor
 
 A mode that fails is reported as failed, with each rank's error, on every
@@ -43,12 +43,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores alread
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import fcntl  # noqa: E402
 import json  # noqa: E402
 import itertools  # noqa: E402
 import multiprocessing  # noqa: E402
 import socket  # noqa: E402
-import struct  # noqa: E402
 import time  # noqa: E402
 from multiprocessing.connection import Connection  # noqa: E402
 from typing import Callable, List, Optional, Tuple  # noqa: E402
@@ -70,6 +68,7 @@ from spar_comm import ALGORITHMS, Topology  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
+from spar_comm.torch.process_group import interface_address  # noqa: E402
 
 POWERSGD_RANKS = (1, 4)
 #: torch's default: compress a matrix only where that at least halves it.
@@ -80,11 +79,6 @@ MODES = (*PEERS, *(f"spar_{a}" for a in (*ALGORITHMS, "auto")), "spar_hook", "no
 #: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
 STARTUP_SECONDS = 120
 #: The ioctl that reads an interface's IPv4 address (linux/sockios.h).
-SIOCGIFADDR = 0x8915
-
-
-class Unavailable(Exception):
-    """A mode this installation cannot run (raised alike on every rank)."""
 
 
 # -- arguments -------------------------------------------------------------------------------
@@ -155,12 +149,6 @@ def workload(args: argparse.Namespace, rank: int) -> Tuple[Callable, Callable, C
 
 
 # -- torch.distributed from the MPI launch ------------------------------------------------------
-def interface_address(name: str) -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-    return socket.inet_ntoa(packed[20:24])
-
-
 def rendezvous(world: MPI.Comm, count: int) -> List[str]:
     """``count`` init_method addresses for torch.distributed, the same on every
     rank: rank 0's address (GLOO_SOCKET_IFNAME's, else loopback on one host,
@@ -185,17 +173,6 @@ def rendezvous(world: MPI.Comm, count: int) -> List[str]:
     methods, problem = world.bcast(found)
     raise_if_any(world, problem)
     return methods
-
-
-def init_process_group(world: MPI.Comm, timeout: float) -> None:
-    """Start torch.distributed (gloo) on the MPI job's ranks: with
-    spar_comm.torch.init_process_group where this spar_comm has it."""
-    own = getattr(sct, "init_process_group", None)
-    if own is not None:
-        own(backend="gloo")
-        return
-    dist.init_process_group("gloo", init_method=rendezvous(world, 1)[0], rank=world.rank, world_size=world.size,
-                            timeout=datetime.timedelta(seconds=timeout))
 
 
 # -- bytes between nodes of DDP's modes ------------------------------------------------------------
@@ -279,10 +256,8 @@ def build(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topolog
     if mode == "no_comm":
         return Runner(replica, sgd(replica.parameters()), lambda: 0.0)
     if mode == "spar_hook":
-        if not hasattr(sct, "comm_hook"):
-            raise Unavailable("spar_comm.torch.comm_hook is not in this version of spar_comm")
         if not dist.is_initialized():
-            init_process_group(topology.world, args.peer_timeout)
+            sct.init_process_group("gloo", comm=topology.world, timeout=datetime.timedelta(seconds=args.peer_timeout))
         return build_ddp(mode, replica, args, topology)
     opt = sct.DistributedOptimizer(sgd(replica.parameters()), replica.named_parameters(),
                                    algorithm=mode[len("spar_"):], density=args.density, topology=topology,
@@ -369,21 +344,16 @@ class Peer:
             self.process.join()
 
 
-def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Tuple[Optional[str], bool]:
-    """Run ``action`` on every rank; (every rank's error, whether it was
-    Unavailable), the same on every rank; (None, False) where all succeeded."""
-    error, unavailable = None, False
+def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Optional[str]:
+    """Run ``action`` on every rank; every rank's error, the same on every
+    rank, or None where all succeeded."""
+    error = None
     try:
         action()
-    except Unavailable as e:
-        error, unavailable = str(e), True
     except Exception as e:  # noqa: BLE001 (a peer's failure is a result, whatever it is)
         error = describe(e)
-    everyone = world.allgather((error, unavailable))
-    if any(u for _, u in everyone):
-        return next(e for e, u in everyone if u), True
-    errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
-    return ("; ".join(errors) if errors else None), False
+    errors = [f"rank {r}: {e}" for r, e in enumerate(world.allgather(error)) if e is not None]
+    return "; ".join(errors) if errors else None
 
 
 # -- the measurement ---------------------------------------------------------------------------
@@ -406,9 +376,9 @@ def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callabl
                 runners[mode] = started[mode]
             else:
                 runners[mode] = build(mode, new_model(), args, topology)
-        error, unavailable = agreed_error(world, construct)
+        error = agreed_error(world, construct)
         if error:
-            results[mode].update(status="unavailable" if unavailable else "failed", error=error)
+            results[mode].update(status="failed", error=error)
             if mode in started:
                 started[mode].close()
     return runners
@@ -430,7 +400,7 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
                 continue
             world.Barrier()
             elapsed = []
-            error, _ = agreed_error(world, lambda: elapsed.append(runner.step(batch, loss)))
+            error = agreed_error(world, lambda: elapsed.append(runner.step(batch, loss)))
             if error:
                 results[mode].update(status="failed", error=f"round {i + 1}: {error}")
                 runners.pop(mode)
