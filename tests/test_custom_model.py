@@ -1,4 +1,4 @@
-"""train() with your own model and data set: the README's hand-written model
+"""train() with your own model and data set: the hand-written model of docs/training.md
 runs as printed, and a data set that breaks the protocol is refused."""
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ from spar_comm.training import TrainConfig, train
 from spar_comm.training.data import load_dataset
 
 
-def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
+def docs_block() -> str:
+    text = (ROOT / "docs" / "training.md").read_text()
     match = re.search(r"<!-- custom-model:.*?-->\n```python\n(.*?)```", text, re.S)
-    assert match, "the README lost its custom-model block"
+    assert match, "docs/training.md lost its custom-model block"
     return match.group(1)
 
 
-def test_the_readme_model_trains_with_train(capsys):
+def test_the_documented_model_trains_with_train(capsys):
     scope: dict = {}
-    exec(compile(readme_block(), "README.md", "exec"), scope)  # noqa: S102 (our own README)
+    exec(compile(docs_block(), "docs/training.md", "exec"), scope)  # noqa: S102 (our own docs)
     summary = scope["summary"]
     assert summary.test_metric > 0.85  # ten digit classes; softmax regression reaches ~0.95
     assert summary.steps == summary.total_steps > 0
