@@ -11,6 +11,7 @@ import json
 import h5py
 
 from spar_comm import ALGORITHMS, mpi_strings
+from spar_comm.files import text_attributes
 
 
 def test_the_trace_holds_the_librarys_strings_and_analyze_reads_it(run_driver, tmp_path):
@@ -19,7 +20,7 @@ def test_the_trace_holds_the_librarys_strings_and_analyze_reads_it(run_driver, t
                         "--ranks-per-node", "1", "--trace", trace, ranks=2)
     assert result.returncode == 0, result.stderr
     with h5py.File(trace, "r") as f:
-        assert f.attrs["mpi_library"] == mpi_strings.library_version()
+        assert text_attributes(f)["mpi_library"] == mpi_strings.library_version()
         assert [h.decode() for h in f["hosts"][:]] == [mpi_strings.processor_name()] * 2
     analysis = run_driver("analyze.py", trace)
     assert analysis.returncode == 0, analysis.stderr
