@@ -46,7 +46,6 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import itertools  # noqa: E402
 import multiprocessing  # noqa: E402
-import socket  # noqa: E402
 import time  # noqa: E402
 from multiprocessing.connection import Connection  # noqa: E402
 from typing import Callable, List, Optional, Tuple  # noqa: E402
@@ -68,7 +67,7 @@ from spar_comm import ALGORITHMS, Topology  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
-from spar_comm.torch.process_group import interface_address  # noqa: E402
+from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E402
 
 POWERSGD_RANKS = (1, 4)
 #: torch's default: compress a matrix only where that at least halves it.
@@ -149,32 +148,6 @@ def workload(args: argparse.Namespace, rank: int) -> Tuple[Callable, Callable, C
 
 
 # -- torch.distributed from the MPI launch ------------------------------------------------------
-def rendezvous(world: MPI.Comm, count: int) -> List[str]:
-    """``count`` init_method addresses for torch.distributed, the same on every
-    rank: rank 0's address (GLOO_SOCKET_IFNAME's, else loopback on one host,
-    else its host name's) with a free port each. Collective."""
-    hosts = world.allgather(socket.gethostname())
-    found: Tuple[List[str], Optional[str]] = ([], None)
-    if world.rank == 0:
-        try:
-            interface = os.environ.get("GLOO_SOCKET_IFNAME")
-            if interface:
-                address = interface_address(interface.split(",")[0])
-            else:
-                address = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
-            sockets = [socket.socket() for _ in range(count)]
-            for s in sockets:
-                s.bind((address, 0))
-            found = ([f"tcp://{address}:{s.getsockname()[1]}" for s in sockets], None)
-            for s in sockets:
-                s.close()
-        except OSError as error:
-            found = ([], f"cannot find rank 0's address for torch.distributed: {error}")
-    methods, problem = world.bcast(found)
-    raise_if_any(world, problem)
-    return methods
-
-
 # -- bytes between nodes of DDP's modes ------------------------------------------------------------
 def ring_bytes(nbytes: float, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks * nbytes
@@ -365,7 +338,7 @@ def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callabl
     world = topology.world
     peers = [mode for mode in args.modes if mode in PEERS]
     started = {}
-    for mode, method in zip(peers, rendezvous(world, len(peers))):
+    for mode, method in zip(peers, init_methods(world, len(peers), on_one_host(world))):
         replica = new_model()
         started[mode] = Peer(mode, method, world, args, replica, loss, ddp_bytes(mode, replica, topology))
     runners = {}

@@ -41,10 +41,41 @@ def _rank0_address(one_host: bool) -> str:
     return interface_address(interface) if interface else socket.gethostbyname(socket.gethostname())
 
 
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+def _free_ports(address: str, count: int) -> list:
+    """``count`` distinct free ports on ``address`` (all held open until each is known)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((address, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def on_one_host(comm: MPI.Comm) -> bool:
+    """Whether every rank of ``comm`` shares one host's memory. Collective."""
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    one_host = comm.allreduce(host.size, op=MPI.MIN) == comm.size
+    host.Free()
+    return one_host
+
+
+def init_methods(comm: MPI.Comm, count: int, one_host: bool, master_port: Optional[str] = None) -> list:
+    """``count`` init_method addresses for torch.distributed, the same on every
+    rank: rank 0's address (see the module's docstring) with a free port each,
+    or ``master_port`` for a single one. Collective; where rank 0 finds no
+    address, ConfigError on every rank."""
+    where, problem = None, None
+    if comm.rank == 0:
+        try:
+            address = _rank0_address(one_host)
+            ports = [int(master_port)] if master_port and count == 1 else _free_ports(address, count)
+            where = [f"tcp://{address}:{port}" for port in ports]
+        except (OSError, ValueError) as error:
+            problem = f"rank 0 found no address for torch.distributed ({error}); set MASTER_ADDR"
+    raise_if_any(comm, problem)
+    return comm.bcast(where, root=0)
 
 
 def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Comm] = None,
@@ -57,20 +88,9 @@ def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Comm] = None
     require_same(comm, "process group", {"backend": backend})
     problem = "torch.distributed is already initialised" if dist.is_initialized() else None
     raise_if_any(comm, problem)
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    one_host = comm.allreduce(host.size, op=MPI.MIN) == comm.size
-    host.Free()
+    one_host = on_one_host(comm)
     if one_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    where, problem = None, None
-    if comm.rank == 0:
-        try:
-            address = _rank0_address(one_host)
-            port = int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else _free_port(address)
-            where = f"tcp://{address}:{port}"
-        except (OSError, ValueError) as error:
-            problem = f"rank 0 found no address for torch.distributed ({error}); set MASTER_ADDR"
-    raise_if_any(comm, problem)
-    where = comm.bcast(where, root=0)
+    where = init_methods(comm, 1, one_host, os.environ.get("MASTER_PORT") if comm.rank == 0 else None)[0]
     extra = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method=where, rank=comm.rank, world_size=comm.size, **extra, **options)
