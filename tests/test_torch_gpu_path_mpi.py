@@ -23,7 +23,7 @@ from spar_comm import ALGORITHMS, ConfigError, NonFiniteGradientError, Topology 
 from spar_comm.torch.streams import CudaStreams, NoStreams, tensor_device  # noqa: E402
 from numba import config as numba_config  # noqa: E402
 from test_gpu_path_mpi import gpu_device  # noqa: E402
-from test_torch_mpi import Controlled, digits_like, rank_grads, small_net  # noqa: E402
+from test_torch_mpi import Controlled, make_run, rank_grads, train_steps  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 torch.set_num_threads(1)
@@ -93,42 +93,25 @@ def test_the_gpu_path_gives_the_cpu_paths_bits(topologies, algorithm):
         assert_identical_bits(COMM, on_gpu[0][1], "weights")
 
 
-def digits_steps(net, opt, steps):
-    device = next(net.parameters()).device
-    for step in steps:
-        x, y = digits_like(step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x.to(device)), y.to(device)).backward()
-        opt.step()
-
-
-def gpu_run(topology, seed=0):
-    net = place(small_net(seed), topology)
-    sct.broadcast_parameters(net)
-    opt = sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), net.named_parameters(),
-                                   topology=topology, algorithm="hitopk", density=0.1, bucket_cap_mb=0.001)
-    return net, opt
-
-
 @pytest.mark.mpi(min_size=1)
 def test_a_resume_on_the_gpu_path_gives_the_bits_of_a_run_that_never_stopped(topologies):
     cpu, gpu = topologies
-    net, opt = gpu_run(gpu)
-    digits_steps(net, opt, range(3))
+    net, opt = make_run(gpu)
+    train_steps(net, opt, range(3))
     straight = host_flat(net.parameters())
 
-    net, opt = gpu_run(gpu)
-    digits_steps(net, opt, range(1))
+    net, opt = make_run(gpu)
+    train_steps(net, opt, range(1))
     saved_model, saved_opt = net.state_dict(), opt.state_dict()
-    net, opt = gpu_run(gpu, seed=1)
+    net, opt = make_run(gpu, seed=1)
     net.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
-    digits_steps(net, opt, range(1, 3))
+    train_steps(net, opt, range(1, 3))
     resumed = host_flat(net.parameters())
     assert_all(COMM, np.array_equal(straight, resumed), "resumed run differs from the one that never stopped")
 
-    net, opt = gpu_run(cpu)  # and the CPU path's run to the bit
-    digits_steps(net, opt, range(3))
+    net, opt = make_run(cpu)  # and the CPU path's run to the bit
+    train_steps(net, opt, range(3))
     assert_all(COMM, np.array_equal(straight, host_flat(net.parameters())), "the CPU path's run differs")
     assert_identical_bits(COMM, resumed, "parameters")
 

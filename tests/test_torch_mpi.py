@@ -12,6 +12,7 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 
 import spar_comm.torch as sct  # noqa: E402
+from spar_comm.torch.streams import tensor_device  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from reference import Reference  # noqa: E402
 from spar_comm import ALGORITHMS, ConfigError, NonFiniteGradientError  # noqa: E402
@@ -210,15 +211,18 @@ def small_net(seed: int = 0):
 
 
 def train_steps(net, opt, steps):
+    """Steps on digits-like batches, on the device of ``net``'s parameters."""
+    device = next(net.parameters()).device
     for step in steps:
         x, y = digits_like(step)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
+        torch.nn.functional.cross_entropy(net(x.to(device)), y.to(device)).backward()
         opt.step()
 
 
 def make_run(topology, seed=0):
-    net = small_net(seed)
+    """A small net where ``topology``'s memory computes, and its optimizer."""
+    net = small_net(seed).to(tensor_device(topology.memory))
     sct.broadcast_parameters(net)
     opt = sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), net.named_parameters(),
                                    topology=topology, algorithm="hitopk", density=0.1, bucket_cap_mb=0.001)
