@@ -34,14 +34,15 @@ from typing import Dict, List  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from spar_comm import ALGORITHMS  # noqa: E402
-from spar_comm.cli import comma_list, density  # noqa: E402
+from spar_comm.cli import comma_list  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.errors import ConfigError  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_comm import unwritable, write_json  # noqa: E402
+from bench_comm import unwritable  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
 from train import config_from, make_parser  # noqa: E402
 
 #: The aids switched off: what "aids off" changes of a TrainConfig.

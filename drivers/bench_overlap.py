@@ -21,7 +21,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores alread
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -33,6 +32,7 @@ import spar_comm.torch as sct  # noqa: E402
 from spar_comm import ALGORITHMS, Topology  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 
 MODES = ("overlap", "sync")
@@ -134,9 +134,7 @@ def main() -> None:
             topology=topology.describe(), created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
             settings={k: v for k, v in vars(args).items() if k != "out"}, results=results,
         )
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(document, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        write_json(args.out, document)
 
 
 if __name__ == "__main__":

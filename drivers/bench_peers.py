@@ -43,7 +43,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores alread
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import itertools  # noqa: E402
 import multiprocessing  # noqa: E402
 import time  # noqa: E402
@@ -66,6 +65,7 @@ import train_gpt  # noqa: E402
 from spar_comm import ALGORITHMS, Topology  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E402
 
@@ -77,7 +77,6 @@ PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
 MODES = (*PEERS, *(f"spar_{a}" for a in (*ALGORITHMS, "auto")), "spar_hook", "no_comm")
 #: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
 STARTUP_SECONDS = 120
-#: The ioctl that reads an interface's IPv4 address (linux/sockios.h).
 
 
 # -- arguments -------------------------------------------------------------------------------
@@ -477,9 +476,7 @@ def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, result
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(), parameters=parameters,
             settings={k: v for k, v in vars(args).items() if k not in ("out", "plot")}, results=results,
         )
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(document, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        write_json(args.out, document)
 
 
 if __name__ == "__main__":
