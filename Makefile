@@ -114,9 +114,9 @@ GPU_SERIAL_TESTS ?= tests/test_device_select.py tests/test_memory.py tests/test_
 GPU_TESTS ?= tests/test_gpu_path_mpi.py tests/test_torch_gpu_path_mpi.py tests/test_torch_ddp_mpi.py
 .PHONY: test-gpu
 test-gpu:
-	NUMBA_ENABLE_CUDASIM=$(CUDASIM) $(PY) -m pytest -q -p no:cacheprovider $(GPU_SERIAL_TESTS)
+	NUMBA_ENABLE_CUDASIM=$(CUDASIM) $(PY) -m pytest -q -p no:cacheprovider --timeout=120 $(GPU_SERIAL_TESTS)
 	NUMBA_ENABLE_CUDASIM=$(CUDASIM) SPAR_COMM_RANKS_PER_NODE=$(GPU_RANKS) $(MPIEXEC) -n $(GPU_RANKS) $(PY) -m pytest \
-	    --with-mpi -m mpi -q -p no:cacheprovider --timeout=300 $(GPU_TESTS)
+	    --with-mpi -m mpi -q -p no:cacheprovider --timeout=120 $(GPU_TESTS)
 
 # Everything that needs a GPU, in one command of under 10 minutes, on a GPU
 # machine whose python3 has CUDA torch, CuPy, numba-cuda and mpi4py (and the

@@ -27,8 +27,9 @@ setup(
         # An MPI library from the package index, for machines without one.
         # Cluster users leave it out and build mpi4py against the site MPI.
         "mpich": ["mpich"],
-        # GPU arrays: CuPy, and numba-cuda for the selection kernels (kernels/device_select.py)
-        "gpu": ["cupy-cuda13x", "numba-cuda>=0.30.4,<0.31"],
+        # GPU arrays: CuPy, and numba-cuda for the selection kernels (kernels/device_select.py);
+        # numba-cuda 0.30 compiles no kernel under NumPy 2.5 (np.row_stack is gone)
+        "gpu": ["cupy-cuda13x", "numba-cuda>=0.30.4,<0.31", "numpy<2.5"],
         # numba-cuda and a CUDA runtime library run the device kernels under
         # Numba's CUDA simulator, so the tests exercise them without a GPU
         # array-api-strict: the MLP must stay inside the array API that CuPy runs it through

@@ -15,7 +15,8 @@
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
 #   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 #   make gpu-check OUT=gpu-check
-# Versions are the ones the CPU suite runs with.
+# Versions are the ones the CPU suite runs with. NumPy 2.4: numba-cuda 0.30 fails to
+# compile any kernel under NumPy 2.5, which removed np.row_stack.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=.whl
@@ -31,6 +32,6 @@ python=${PYTHON:-python3}
 mkdir -p "$dir"
 "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$dir" array-api-compat==1.16.0 tqdm==4.70.1 pytest-mpi==0.6 pytest-timeout==2.4.0 $mpich
+    -d "$dir" array-api-compat==1.16.0 tqdm==4.70.1 pytest-mpi==0.6 pytest-timeout==2.4.0 numpy==2.4.6 $mpich
 "$python" -m pip wheel --quiet --no-deps -w "$dir" .
 ls -l "$dir"

@@ -48,7 +48,7 @@ class Step:
         self.name, self.command, self.limit, self.data = name, command, limit, data
         self.result: Dict[str, Any] = {"name": name, "command": " ".join(map(str, command)), "status": "not run"}
 
-    def run(self, env: Dict[str, str], remaining: float) -> None:
+    def run(self, env: Dict[str, str], remaining: float, log: Path) -> None:
         limit = min(self.limit, remaining)
         if limit < 5:
             self.result.update(status="skipped: no time left in the budget")
@@ -57,10 +57,12 @@ class Step:
         try:
             done = subprocess.run([str(c) for c in self.command], cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=limit, start_new_session=True)
-            output, rc, status = done.stdout + done.stderr, done.returncode, "passed" if done.returncode == 0 else "failed"
+            output, rc, status = clean(done.stdout + done.stderr), done.returncode, "passed" if done.returncode == 0 else "failed"
         except subprocess.TimeoutExpired as expired:
-            output = (_text(expired.stdout) + _text(expired.stderr))
+            output = clean(_text(expired.stdout) + _text(expired.stderr))
             rc, status = None, f"timed out after {limit:.0f} s"
+        with log.open("a") as f:
+            f.write(f"\n===== {self.name}: {status}\n$ {self.result['command']}\n{output}")
         lines = output.strip().splitlines()
         self.result.update(status=status, rc=rc, seconds=round(time.monotonic() - started, 1), tail=lines[-40:],
                            summary=_summary(lines))
@@ -70,6 +72,15 @@ class Step:
 
 def _text(data: Any) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+#: Terminal colour codes (some images force pytest's colours on) and NULs
+#: (Open MPI ends its library version with one): kept out of the reports.
+_NOISE = re.compile(r"\x1b\[[0-9;]*m|\x00")
+
+
+def clean(text: str) -> str:
+    return _NOISE.sub("", text)
 
 
 def _summary(lines: List[str]) -> str:
@@ -91,13 +102,15 @@ def plan(simulate: bool, python: str, mpiexec: str, work: Path) -> List[Step]:
     def mpi(n: int, *args: Any) -> List[Any]:
         return [mpiexec, "-n", n, python, *args]
 
-    steps = []
-    for ranks in (1,) if simulate else (1, 2, 4):
+    def test_gpu(ranks: int) -> Step:
         make = ["make", "test-gpu", f"GPU_RANKS={ranks}", f"PY={python}", f"MPIEXEC={mpiexec}"]
         if simulate:  # the plumbing only: the suites run in full in `make test`
             make += ["CUDASIM=1", "GPU_SERIAL_TESTS=tests/test_torch_units.py",
                      "GPU_TESTS=tests/test_gpu_path_mpi.py -k mstopk_on_the_device"]
-        steps.append(Step(f"make test-gpu, {ranks} rank{'s' if ranks > 1 else ''}", make, 200))
+        return Step(f"make test-gpu, {ranks} rank{'s' if ranks > 1 else ''}", make, 200)
+
+    # The suites at 2 and 4 ranks come last: a run cut short still has every kind of figure.
+    steps = [test_gpu(1)]
     device = "gpu-simulator" if simulate else "gpu"
     topk = ["--sizes", "2048", "--densities", "0.01", "--dtype", "float32", "--methods", "mstopk", "--repeat", "1",
             "--no-torch"] \
@@ -125,7 +138,7 @@ def plan(simulate: bool, python: str, mpiexec: str, work: Path) -> List[Step]:
                           "--epochs", "2"), 120))
     steps.append(Step("train_ddp.py (DDP hook) on CUDA, 2 ranks",
                       mpi(2, "drivers/train_ddp.py", "--device", "cuda", "--density", "0.01", "--epochs", "5"), 90))
-    return steps
+    return steps + [test_gpu(2), test_gpu(4)]
 
 
 def probe(python: str, code: str) -> str:
@@ -135,7 +148,7 @@ def probe(python: str, code: str) -> str:
     except subprocess.TimeoutExpired:
         return "(no answer in 60 s)"
     if done.returncode == 0:
-        return done.stdout.strip()
+        return clean(done.stdout).strip()
     lines = done.stderr.strip().splitlines()
     return f"(failed: {lines[-1] if lines else done.returncode})"
 
@@ -228,8 +241,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--budget must be more than {MARGIN} s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-check.log").write_text("")
     deadline = time.monotonic() + args.budget - MARGIN
-    mpiexec = args.mpiexec or find_mpiexec(args.python)
+    # Absolute paths: Open MPI's mpiexec, started by its full path, puts its own
+    # bin/ first on the ranks' PATH, so a bare "python3" could be another Python.
+    python = shutil.which(args.python) or args.python
+    mpiexec = (shutil.which(args.mpiexec) or args.mpiexec) if args.mpiexec else find_mpiexec(python)
     # PYTHONSAFEPATH: the checkout's spar_comm/ (whose kernels live in kernels/)
     # must not shadow an installed spar_comm when pytest runs from the checkout.
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1", NUMBA_ENABLE_CUDASIM="1" if args.simulate else "0",
@@ -238,14 +255,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     report: Dict[str, Any] = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mode": "simulated" if args.simulate else "gpu",
-        "machine": machine(args.simulate, args.python, mpiexec),
+        "machine": machine(args.simulate, python, mpiexec),
     }
     print(f"gpu-check on {report['machine']['device']} ({report['machine']['mpi_library']})", flush=True)
     with tempfile.TemporaryDirectory(prefix="spar_comm_gpu_check_") as work:
-        steps = [s for s in plan(args.simulate, args.python, mpiexec, Path(work)) if not args.only or args.only in s.name]
+        steps = [s for s in plan(args.simulate, python, mpiexec, Path(work)) if not args.only or args.only in s.name]
         report["steps"] = [s.result for s in steps]
         for step in steps:
-            step.run(env, deadline - time.monotonic())
+            step.run(env, deadline - time.monotonic(), out / "gpu-check.log")
             print(f"{step.name}: {step.result['status']} ({step.result.get('seconds', 0)} s) "
                   f"{step.result.get('summary', '')}", flush=True)
             write_reports(out, report)

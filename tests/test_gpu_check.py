@@ -50,3 +50,12 @@ def test_a_bad_budget_is_refused(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "drivers" / "gpu_check.py"), "--out", str(tmp_path),
                           "--budget", "5"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--budget must be more than" in run.stderr
+
+
+def test_a_step_keeps_its_whole_output_in_the_log_and_no_terminal_codes_in_the_reports(tmp_path):
+    """Seen on a GPU image: pytest's colours forced on, and Open MPI's library version ending in a NUL."""
+    step = gpu_check.Step("noisy", [sys.executable, "-c", "print('\\x1b[32m3 passed\\x1b[0m in 1s\\x00')"], 30)
+    step.run({}, remaining=30, log=tmp_path / "gpu-check.log")
+    assert step.result["status"] == "passed" and step.result["summary"] == "3 passed in 1s"
+    assert "===== noisy: passed" in (tmp_path / "gpu-check.log").read_text()
+    assert "\x1b" not in (tmp_path / "gpu-check.log").read_text()
