@@ -110,10 +110,11 @@ def test_a_resume_on_the_gpu_path_gives_the_bits_of_a_run_that_never_stopped(top
     resumed = host_flat(net.parameters())
     assert_all(COMM, np.array_equal(straight, resumed), "resumed run differs from the one that never stopped")
 
-    net, opt = make_run(cpu)  # and the CPU path's run to the bit
-    train_steps(net, opt, range(3))
-    assert_all(COMM, np.array_equal(straight, host_flat(net.parameters())), "the CPU path's run differs")
     assert_identical_bits(COMM, resumed, "parameters")
+    if numba_config.ENABLE_CUDASIM:  # on a GPU the model's own arithmetic (cuBLAS) rounds otherwise than the CPU's
+        net, opt = make_run(cpu)  # and the CPU path's run to the bit
+        train_steps(net, opt, range(3))
+        assert_all(COMM, np.array_equal(straight, host_flat(net.parameters())), "the CPU path's run differs")
 
 
 @pytest.mark.mpi(min_size=2)
