@@ -12,25 +12,28 @@ give the same bits as the CPU methods for the same input:
   leaves the device, so there is no host round trip per pass.
 * ``mstopk``: the paper's bisection of the threshold between the mean and the
   largest magnitude, counting ``M`` thresholds per pass (``M + 1``-way
-  instead of 2-way, so its 30 halving steps take 10 passes at M = 7), steered
-  by a one-thread kernel on the device. It bisects the keys rather than the
-  values: they are monotone in the magnitude, need no float-to-bits
-  conversion on the device, and 31 halvings end on one key. Made robust as on
-  the CPU: the band it ends with is compacted and the exact top-k picked from
-  it, so ties, zeros, NaN and "fewer than k above the mean" cost time, never
-  correctness.
+  instead of 2-way, so its 30 halving steps take 10 passes at M = 7, and 5
+  at the GPU's M = 63), steered by a one-thread kernel on the device. It
+  bisects the keys rather than the values: they are monotone in the
+  magnitude, need no float-to-bits conversion on the device, and 31 halvings
+  end on one key. Made robust as on the CPU: the band it ends with is
+  gathered and the exact top-k picked from it, so ties, zeros, NaN and "fewer
+  than k above the mean" cost time, never correctness.
 * ``threshold`` / ``threshold_warm``: a key floor from a strided sample (or
-  from the last call's threshold), one compaction pass of the candidates at
+  from the last call's threshold), one pass that gathers the candidates at
   or above it, and an exact pick among them.
 
-The compaction writes positions in ascending order without sorting: each
-block counts its tile, an exclusive scan of the counts gives every block its
-offset, and a scan inside the block gives every thread its own.
+The kernels here are numba-cuda's, on NumPy arrays: under Numba's CUDA
+simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how CI runs every one of
+them, or copied to a GPU by numba. Their gather writes positions in
+ascending order without sorting: each block counts its tile, an exclusive
+scan of the counts gives every block its offset, and a scan inside the block
+gives every thread its own. The simulator has no warp shuffles, so the block
+scans use shared memory only.
 
-The kernels take CuPy arrays on a GPU (launched on CuPy's current stream) and
-NumPy arrays under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which
-is how CI runs every one of them. The simulator has no warp shuffles, so the
-block scans use shared memory only.
+CuPy arrays on a GPU take the same steps through ``select_cuda`` (CUDA C in
+``select.cu``, launched by CuPy): numba-cuda's launches cost too much there
+to serve. Its gather writes in any order and sorts the few it found.
 """
 from __future__ import annotations
 
@@ -180,83 +183,57 @@ def _bisect(floors, counts, k, search):  # pragma: no cover - compiled
 
 # -- ordered compaction -----------------------------------------------------------------
 @cuda.jit(device=True)
-def _tile_counts(bits, mask, nan_key, cut, tile_start):  # pragma: no cover - compiled
-    """This thread's counts of keys above ``cut`` and equal to it in its run of the tile."""
-    above = np.int64(0)
-    equal = np.int64(0)
+def _tile_count(bits, mask, nan_key, floor, tile_start):  # pragma: no cover - compiled
+    """How many keys of this thread's run of the tile are at least ``floor``."""
+    count = np.int64(0)
     first = tile_start + cuda.threadIdx.x * ITEMS
     for i in range(first, min(first + ITEMS, bits.size)):
-        key = _key(bits, i, mask, nan_key)
-        if key > cut:
-            above += 1
-        elif key == cut:
-            equal += 1
-    return above, equal
+        if _key(bits, i, mask, nan_key) >= floor:
+            count += 1
+    return count
 
 
 @cuda.jit
-def _count_tiles(bits, mask, nan_key, cut, tiles):  # pragma: no cover - compiled
-    """Per tile (one block each): how many keys lie above ``cut``, and how many equal it."""
-    above, equal = _tile_counts(bits, mask, nan_key, cut, cuda.blockIdx.x * TILE)
-    cuda.atomic.add(tiles, (cuda.blockIdx.x, 0), above)
-    cuda.atomic.add(tiles, (cuda.blockIdx.x, 1), equal)
+def _count_tiles(bits, mask, nan_key, floor, tiles):  # pragma: no cover - compiled
+    """Per tile (one block each): how many keys are at least ``floor``."""
+    cuda.atomic.add(tiles, cuda.blockIdx.x, _tile_count(bits, mask, nan_key, floor, cuda.blockIdx.x * TILE))
 
 
 @cuda.jit
-def _write_tiles(bits, mask, nan_key, cut, ties, offsets, positions):  # pragma: no cover - compiled
-    """Write, in ascending order, every position whose key lies above ``cut``
-    and the first ``ties`` positions whose key equals it. ``offsets[b]`` holds
-    how many of each kind the tiles before block b have."""
-    scan_above = cuda.shared.array(THREADS, dtype=np.int64)
-    scan_equal = cuda.shared.array(THREADS, dtype=np.int64)
+def _write_tiles(bits, mask, nan_key, floor, offsets, positions):  # pragma: no cover - compiled
+    """Write, in ascending order, every position whose key is at least
+    ``floor``; ``offsets[b]`` holds how many the tiles before block b have."""
+    scan = cuda.shared.array(THREADS, dtype=np.int64)
     t = cuda.threadIdx.x
     tile_start = cuda.blockIdx.x * TILE
-    above, equal = _tile_counts(bits, mask, nan_key, cut, tile_start)
-    scan_above[t] = above
-    scan_equal[t] = equal
+    mine = _tile_count(bits, mask, nan_key, floor, tile_start)
+    scan[t] = mine
     cuda.syncthreads()
     step = 1
     while step < THREADS:  # inclusive Hillis-Steele scan, shared memory only
-        a = scan_above[t - step] if t >= step else 0
-        e = scan_equal[t - step] if t >= step else 0
+        before = scan[t - step] if t >= step else 0
         cuda.syncthreads()
-        scan_above[t] += a
-        scan_equal[t] += e
+        scan[t] += before
         cuda.syncthreads()
         step *= 2
-    before_above = offsets[cuda.blockIdx.x, 0] + scan_above[t] - above
-    before_equal = offsets[cuda.blockIdx.x, 1] + scan_equal[t] - equal
+    slot = offsets[cuda.blockIdx.x] + scan[t] - mine
     first = tile_start + t * ITEMS
     for i in range(first, min(first + ITEMS, bits.size)):
-        key = _key(bits, i, mask, nan_key)
-        if key > cut:
-            positions[before_above + min(before_equal, ties)] = i
-            before_above += 1
-        elif key == cut:
-            if before_equal < ties:
-                positions[before_above + before_equal] = i
-            before_equal += 1
+        if _key(bits, i, mask, nan_key) >= floor:
+            positions[slot] = i
+            slot += 1
 
 
 # -- launching --------------------------------------------------------------------------
 def launch(kernel, blocks: int, threads: int, *args) -> None:
-    """Run ``kernel`` on CuPy's current stream when given CuPy arrays (under the
-    simulator, arrays are NumPy and there are no streams)."""
-    xp = namespace(args[0])
-    if xp is np:
-        kernel[blocks, threads](*args)
-        return
-    if config.ENABLE_CUDASIM:
-        raise RuntimeError("CuPy arrays need a real GPU, but NUMBA_ENABLE_CUDASIM is set: unset it or set it to 0")
-    stream = cuda.external_stream(xp.cuda.get_current_stream().ptr)
-    # The kernel runs on CuPy's stream, so numba need not synchronise the
-    # stream each CuPy array exports (its default: a host wait per argument).
-    arrays = [cuda.as_cuda_array(a, sync=False) if isinstance(a, xp.ndarray) else a for a in args]
-    kernel[blocks, threads, stream](*arrays)
+    """Run a numba-cuda ``kernel`` on NumPy arrays (under the simulator, or
+    copied to a GPU and back by numba). CuPy arrays go to ``select_cuda``."""
+    kernel[blocks, threads](*args)
 
 
 class Keys:
-    """A float array seen as magnitude keys: its bits and the figures the kernels need."""
+    """A float array seen as magnitude keys: its bits, the figures the kernels
+    need, and on a real GPU the compiled passes of ``select_cuda``."""
 
     def __init__(self, x: Any):
         layout = float_layout(x.dtype)
@@ -269,24 +246,26 @@ class Keys:
         self.nan_key = np.int64(layout.inf_key + 1)
         self.width = np.dtype(layout.bits).itemsize * 8
         self.n = x.size
+        self.cuda = None
+        if self.xp is not np:
+            from . import select_cuda
+
+            self.cuda = select_cuda.Passes(self)
 
     def count_blocks(self) -> int:
         return max(1, min(COUNT_BLOCKS, -(-self.n // (THREADS * 4))))
 
-    def compact(self, cut: int, ties: int, total: Optional[int] = None) -> Any:
-        """Ascending positions of every key above ``cut`` and the first ``ties``
-        equal to it (``total`` of them when the caller knows the count)."""
-        xp = self.xp
+    def at_least(self, floor: int, expected: int) -> Any:
+        """Ascending positions of every key at least ``floor`` (``expected``: about
+        how many, the room a GPU's unordered pass starts with)."""
+        if self.cuda is not None:
+            return self.cuda.at_least(floor, expected)
         blocks = -(-self.n // TILE)
-        tiles = xp.zeros((blocks, 2), dtype=np.int64)
-        launch(_count_tiles, blocks, THREADS, self.bits, self.mask, self.nan_key, np.int64(cut), tiles)
-        offsets = xp.cumsum(tiles, axis=0) - tiles
-        if total is None:
-            sums = tiles.sum(axis=0)
-            total = int(sums[0]) + min(int(sums[1]), ties)
-        positions = xp.empty(total, dtype=np.int64)
-        launch(_write_tiles, blocks, THREADS, self.bits, self.mask, self.nan_key, np.int64(cut), np.int64(ties),
-               offsets, positions)
+        tiles = np.zeros(blocks, dtype=np.int64)
+        launch(_count_tiles, blocks, THREADS, self.bits, self.mask, self.nan_key, np.int64(floor), tiles)
+        positions = np.empty(int(tiles.sum()), dtype=np.int64)
+        launch(_write_tiles, blocks, THREADS, self.bits, self.mask, self.nan_key, np.int64(floor),
+               np.cumsum(tiles) - tiles, positions)
         return positions
 
     def keys_of(self, bits: Any) -> Any:
@@ -294,8 +273,11 @@ class Keys:
         return self.xp.minimum(bits.astype(np.int64) & int(self.mask), int(self.nan_key))
 
     def pick(self, positions: Any, k: int) -> Tuple[Any, int]:
-        """The contract set among candidate ``positions`` (ascending, holding the top
-        k), and the k-th largest key: an exact pick on the small candidate set."""
+        """The contract set among candidate ``positions`` (as ``at_least`` gives
+        them, holding the top k), and the k-th largest key: an exact pick on the
+        small candidate set."""
+        if self.cuda is not None and self.cuda.packs:
+            return self.cuda.pick(positions, k)
         xp = self.xp
         keys = self.keys_of(self.bits[positions])
         kth = int(xp.sort(keys)[keys.size - k])
@@ -306,18 +288,17 @@ class Keys:
 
 
 # -- the methods ------------------------------------------------------------------------
-def radix_select(keys: Keys, k: int) -> Tuple[int, int]:
-    """The k-th largest key, and how many keys equal to it belong to the top k
-    (the rest of the top k lies above it)."""
-    xp = keys.xp
-    state = xp.asarray(np.array([0, 0, k], dtype=np.int64))  # prefix, its mask, still wanted
+def kth_key(keys: Keys, k: int) -> int:
+    """The k-th largest key, by radix select."""
+    if keys.cuda is not None:
+        return keys.cuda.kth_key(k, keys.width, RADIX_BITS)
+    state = np.array([0, 0, k], dtype=np.int64)  # prefix, its mask, still wanted
     blocks = keys.count_blocks()
     for shift in range(keys.width - RADIX_BITS, -1, -RADIX_BITS):
-        hist = xp.zeros(BINS, dtype=np.int64)
+        hist = np.zeros(BINS, dtype=np.int64)
         launch(_histogram, blocks, THREADS, keys.bits, keys.mask, keys.nan_key, state, np.int64(shift), hist)
         launch(_choose_byte, 1, 1, hist, state, np.int64(shift))
-    kth, _, ties = state.tolist()
-    return int(kth), int(ties)
+    return int(state[0])
 
 
 def all_positions(x: Any) -> Any:
@@ -329,8 +310,7 @@ def exact(x: Any, k: int) -> Any:
     if k >= x.size:
         return all_positions(x)
     keys = Keys(x)
-    kth, ties = radix_select(keys, k)
-    return keys.compact(kth, ties, total=k)
+    return from_floor(keys, k, kth_key(keys, k))[0]
 
 
 def value_key(value: float, dtype: np.dtype) -> int:
@@ -345,29 +325,39 @@ def value_key(value: float, dtype: np.dtype) -> int:
 
 def mstopk(x: Any, k: int, N: int = 30) -> Any:
     """The paper's bisection of the threshold between the mean and the largest
-    magnitude, on the keys, ``THRESHOLDS`` per pass (N halving steps in all);
-    then an exact pick from the band."""
+    magnitude, on the keys, several thresholds per pass (N halving steps in
+    all); then an exact pick from the band."""
     if k >= x.size:
         return all_positions(x)
     keys = Keys(x)
-    xp = keys.xp
-    total = xp.zeros(1, dtype=np.float64)
-    count = xp.zeros(1, dtype=np.int64)
-    blocks = keys.count_blocks()
-    launch(_finite_stats, blocks, THREADS, x, keys.bits, keys.mask, keys.inf_key, total, count)
-    (sum_finite,), (finite,) = total.tolist(), count.tolist()  # one round trip per call
+    sum_finite, finite = finite_stats(x, keys)
     if finite == 0:
         return from_floor(keys, k, 0)[0]
     # The bracket starts at the mean's key and ends above every key (NaN and Inf
     # included): with no finite entry above the top, the first pass finds the top.
-    search = xp.asarray(np.array([value_key(sum_finite / finite, x.dtype), int(keys.nan_key) + 1], dtype=np.int64))
-    floors = xp.empty(THRESHOLDS, dtype=np.int64)
+    lo, hi = value_key(sum_finite / finite, x.dtype), int(keys.nan_key) + 1
+    if keys.cuda is not None:
+        floor = keys.cuda.bisect(k, lo, hi, passes=math.ceil(N / math.log2(keys.cuda.floors + 1)))
+        return from_floor(keys, k, floor)[0]
+    search = np.array([lo, hi], dtype=np.int64)
+    floors = np.empty(THRESHOLDS, dtype=np.int64)
+    blocks = keys.count_blocks()
     for _ in range(math.ceil(N / math.log2(THRESHOLDS + 1))):
         launch(_spread_floors, 1, 1, search, floors)
-        counts = xp.zeros(THRESHOLDS, dtype=np.int64)
+        counts = np.zeros(THRESHOLDS, dtype=np.int64)
         launch(_count_at_least, blocks, THREADS, keys.bits, keys.mask, keys.nan_key, floors, counts)
         launch(_bisect, 1, 1, floors, counts, np.int64(k), search)
     return from_floor(keys, k, int(search[0]))[0]
+
+
+def finite_stats(x: Any, keys: Keys) -> Tuple[float, int]:
+    """The sum of the finite magnitudes of ``x`` and how many are finite, in one read."""
+    if keys.cuda is not None:
+        return keys.cuda.finite_stats()
+    total = np.zeros(1, dtype=np.float64)
+    count = np.zeros(1, dtype=np.int64)
+    launch(_finite_stats, keys.count_blocks(), THREADS, x, keys.bits, keys.mask, keys.inf_key, total, count)
+    return float(total[0]), int(count[0])
 
 
 def sample_floor(keys: Keys, k: int) -> int:
@@ -384,12 +374,13 @@ def from_floor(keys: Keys, k: int, floor: int) -> Tuple[Any, int, int]:
     """One candidate pass at ``floor``, and the exact pick among the candidates:
     the contract set, the k-th key and how many candidates the pass admitted.
     A floor that admits fewer than k falls back to the radix select."""
-    candidates = keys.compact(floor - 1, 0)
-    if candidates.size < k:
-        kth, ties = radix_select(keys, k)
-        return keys.compact(kth, ties, total=k), kth, int(candidates.size)
+    room = 2 * k + 1024  # what the floors here usually admit: k and a margin
+    candidates = keys.at_least(floor, room)
+    admitted = int(candidates.size)
+    if admitted < k:
+        candidates = keys.at_least(kth_key(keys, k), room)
     positions, kth = keys.pick(candidates, k)
-    return positions, kth, int(candidates.size)
+    return positions, kth, admitted
 
 
 class Threshold:

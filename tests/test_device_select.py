@@ -1,7 +1,10 @@
-"""Device top-k (spar_comm.kernels.device_select) under Numba's CUDA simulator:
-every kernel runs here, on NumPy arrays, and every method must return the
-CPU reference's positions (exact_topk) bit for bit: ties to the lowest
-positions, NaN above Inf above every number, exactly min(k, n) positions."""
+"""Device top-k (spar_comm.kernels.device_select): every method must return
+the CPU reference's positions (exact_topk) bit for bit: ties to the lowest
+positions, NaN above Inf above every number, exactly min(k, n) positions.
+
+Under Numba's CUDA simulator (CI) the numba-cuda kernels run on NumPy arrays.
+On a GPU (``make test-gpu``, NUMBA_ENABLE_CUDASIM=0) the same tests give the
+methods CuPy arrays, which run select.cu's kernels."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +18,35 @@ METHODS = sorted(device_select.METHODS)
 TILE = device_select.TILE
 
 
+def _cupy_on_a_gpu():
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        return None
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # no CuPy, or no CUDA device
+        return None
+
+
+CUPY = _cupy_on_a_gpu()
+
+
+def on_device(x):
+    """``x`` as the methods get it here: a CuPy array on a GPU, else NumPy."""
+    return x if CUPY is None else CUPY.asarray(x)
+
+
+def topk(x, k, method, **options):
+    got = device_select.device_topk(on_device(x), k, method, **options)
+    assert CUPY is None or isinstance(got, CUPY.ndarray)  # selected on the device, answered there
+    return got if CUPY is None else CUPY.asnumpy(got)
+
+
 def check(x, k, method, **options):
-    got = device_select.device_topk(x, k, method, **options)
+    got = topk(x, k, method, **options)
     want = exact_topk(x, k)
     assert got.dtype == np.int64 and got.tolist() == want.tolist(), (method, k, x.size)
     return got
@@ -55,8 +85,8 @@ def test_nan_ranks_above_inf_above_every_number(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_k_at_or_beyond_the_size_takes_everything(method):
     x = np.arange(100, dtype=np.float32)
-    assert device_select.device_topk(x, 100, method).tolist() == list(range(100))
-    assert device_select.device_topk(x, 500, method).tolist() == list(range(100))
+    assert topk(x, 100, method).tolist() == list(range(100))
+    assert topk(x, 500, method).tolist() == list(range(100))
     check(x, 99, method)
 
 
@@ -77,7 +107,7 @@ def test_the_warm_start_adapts_its_margin_and_stays_exact():
     margins = []
     for scale in (1.0, 1.0, 0.2, 5.0):  # steady, then the threshold falls below the floor, then far above it
         y = x * np.float32(scale)
-        assert selector(y, 30).tolist() == exact_topk(y, 30).tolist()
+        assert selector(on_device(y), 30).tolist() == exact_topk(y, 30).tolist()
         margins.append(selector.margin)
     assert margins == pytest.approx([0.9, 0.9, 0.81, 0.9])  # widened, then loosened back
     with pytest.raises(ValueError, match="margin"):
@@ -85,7 +115,7 @@ def test_the_warm_start_adapts_its_margin_and_stays_exact():
 
 
 def test_the_selector_objects_check_their_input_too():
-    x = np.arange(50, dtype=np.float32)
+    x = on_device(np.arange(50, dtype=np.float32))
     for selector in (device_select.Threshold(), device_select.ThresholdWarm()):
         assert selector(x, 60).tolist() == list(range(50))  # k beyond the size: everything
         with pytest.raises(ValueError, match="k must be >= 1"):
@@ -93,6 +123,8 @@ def test_the_selector_objects_check_their_input_too():
     with pytest.raises(ValueError, match="N \\(bisection steps\\) must be an integer >= 1"):
         device_select.device_topk(x, 3, "mstopk", N=0)
     assert device_select.device_topk(x, 3, "mstopk", N=6).tolist() == [47, 48, 49]
+    for N in (1, 2, 7):  # a short bisection leaves a wide band: still the exact set
+        check(np.linspace(-1, 1, 3 * TILE + 1).astype(np.float32), 40, "mstopk", N=N)
 
 
 def test_bad_input_is_refused_with_a_message():
@@ -115,22 +147,28 @@ def test_matches_the_cpu_reference(n, k, seed, method, levels):
     check(x, min(k, n), method)
 
 
-def test_topk_of_a_cupy_array_selects_on_its_device():
-    """Runs where CuPy and a GPU are (NUMBA_ENABLE_CUDASIM=0); skipped elsewhere."""
-    from numba import config
-
-    if config.ENABLE_CUDASIM:
-        pytest.skip("the CUDA simulator is on (NUMBA_ENABLE_CUDASIM=0 runs this on a GPU)")
-    cupy = pytest.importorskip("cupy")
-    try:
-        cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        pytest.skip("no CUDA device")
-    from spar_comm.kernels import topk
+@pytest.mark.skipif(CUPY is None, reason="needs CuPy and a GPU (NUMBA_ENABLE_CUDASIM=0)")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_topk_of_a_cupy_array_selects_on_its_device(dtype):
+    """At sizes the simulator cannot run, through the package's own topk."""
+    from spar_comm.kernels import topk as package_topk
 
     rng = np.random.default_rng(11)
-    x = rng.standard_normal(1 << 20).astype(np.float32)
+    x = rng.standard_normal(1 << 20).astype(dtype)
     x[[5, 77]] = [np.nan, np.inf]
-    for method in METHODS:
-        got = topk(cupy.asarray(x), 1000, method)
-        assert isinstance(got, cupy.ndarray) and cupy.asnumpy(got).tolist() == exact_topk(x, 1000).tolist(), method
+    x[1000:3000] = x[999]  # a long run of ties at one magnitude
+    for k in (1000, 50_000):
+        for method in METHODS:
+            got = package_topk(CUPY.asarray(x), k, method)
+            assert isinstance(got, CUPY.ndarray), method
+            assert CUPY.asnumpy(got).tolist() == exact_topk(x, k).tolist(), (method, k)
+
+
+@pytest.mark.skipif(CUPY is None, reason="needs CuPy and a GPU (NUMBA_ENABLE_CUDASIM=0)")
+def test_the_gpu_gather_finds_every_candidate_when_its_first_room_is_too_small():
+    x = np.random.default_rng(5).standard_normal(100_000).astype(np.float32)
+    keys = device_select.Keys(CUPY.asarray(x))
+    floor = device_select.value_key(1.0, np.dtype(np.float32))  # about a third of the entries
+    for room in (0, 10, 100_000):
+        got = np.sort(CUPY.asnumpy(keys.at_least(floor, room)))  # in any order on a GPU
+        assert got.tolist() == np.flatnonzero(np.abs(x) >= 1.0).tolist(), room
