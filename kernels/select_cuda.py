@@ -25,17 +25,22 @@ C_TYPES = {2: ("unsigned short", "unsigned int"), 4: ("unsigned int", "unsigned 
            8: ("unsigned long long", "unsigned long long")}
 
 
+def kernel_names() -> list:
+    """Every kernel of ``select.cu`` the passes launch, with its template arguments."""
+    names = {"choose_byte"}
+    for bits, key in C_TYPES.values():
+        names |= {f"at_least<{bits}, {key}>", f"count_at_least<{bits}, {key}>", f"finite_stats<{bits}, {key}>",
+                  f"histogram<{bits}, {key}>", f"steer<{key}>"}
+        if key == "unsigned int":
+            names.add(f"rank_keys<{bits}>")
+    return sorted(names)
+
+
 @functools.lru_cache(maxsize=None)
 def _module() -> Any:
     import cupy
 
-    names = ["choose_byte"]
-    for bits, key in C_TYPES.values():
-        names += [f"at_least<{bits}, {key}>", f"count_at_least<{bits}, {key}>", f"finite_stats<{bits}, {key}>",
-                  f"histogram<{bits}, {key}>", f"steer<{key}>"]
-        if key == "unsigned int":
-            names.append(f"rank_keys<{bits}>")
-    return cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=sorted(set(names)))
+    return cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), name_expressions=kernel_names())
 
 
 @functools.lru_cache(maxsize=None)
