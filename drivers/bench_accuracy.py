@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank, as tr
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import math  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -46,16 +47,19 @@ from spar_comm.files import write_json  # noqa: E402
 from train import config_from, make_parser  # noqa: E402
 
 #: The aids switched off: what "aids off" changes of a TrainConfig.
-AIDS_OFF = dict(momentum_correction=False, momentum_masking=False, density_warmup=0, clip_norm=0.0)
+AIDS_OFF = dict(momentum_correction=False, momentum_masking=False, density_schedule="fixed", density_warmup=0,
+                clip_norm=0.0)
 #: The aids a set such as "mc+warmup" may name; each named one is on, the others off.
-AID_PARTS = ("mc", "mask", "warmup")
+#: "accordion" is Accordion's density schedule instead of DGC's warm-up.
+AID_PARTS = ("mc", "mask", "warmup", "accordion")
 DENSE = "dense"
 
 
 def aid_set(text: str) -> str:
     """An --aids item: "on" (train.py's defaults), "off", or aids of AID_PARTS joined by "+"."""
     parts = text.split("+")
-    if text not in ("on", "off") and not (set(parts) <= set(AID_PARTS) and len(set(parts)) == len(parts)):
+    if text not in ("on", "off") and not (set(parts) <= set(AID_PARTS) and len(set(parts)) == len(parts)
+                                          and not {"warmup", "accordion"} <= set(parts)):
         raise ValueError(text)
     return text
 
@@ -66,7 +70,8 @@ def aid_changes(name: str, base: TrainConfig) -> Dict:
         return {}
     parts = set(name.split("+")) if name != "off" else set()
     return dict(AIDS_OFF, momentum_correction="mc" in parts, momentum_masking="mask" in parts,
-                density_warmup=base.density_warmup if "warmup" in parts else 0)
+                density_warmup=base.density_warmup if "warmup" in parts else 0,
+                density_schedule=next((p for p in ("warmup", "accordion") if p in parts), "fixed"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,10 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=[0.01, 0.001, 0.0001], help="(default: 0.01,0.001,0.0001)")
     parser.add_argument("--algorithm", default="hitopk", choices=[a for a in ALGORITHMS if a != DENSE],
                         help="the sparse algorithm (default: %(default)s)")
-    parser.add_argument("--aids", type=comma_list(aid_set, lambda a: True, "on, off or a '+' of mc, mask, warmup"),
+    parser.add_argument("--aids", type=comma_list(aid_set, lambda a: True,
+                                                  "on, off or a '+' of mc, mask, and warmup or accordion"),
                         default=["on", "off"], help="aid sets of every density: on (train.py's defaults), off, or "
-                        "aids joined by '+' (mc: momentum correction, mask: momentum masking, warmup: density "
-                        "warm-up), e.g. off,mc,mc+warmup (default: on,off)")
+                        "aids joined by '+' (mc: momentum correction, mask: momentum masking, warmup: DGC's density "
+                        "warm-up, accordion: Accordion's density schedule), e.g. off,mc,mc+warmup,mc+accordion "
+                        "(default: on,off)")
     parser.add_argument("--seeds", type=comma_list(int, lambda s: s >= 0, "an integer >= 0"), default=[0, 1, 2],
                         help="initial weights and data order of each run (default: 0,1,2)")
     parser.add_argument("--workload", default="",
@@ -119,21 +126,25 @@ def run_cell(base: TrainConfig, cell: Dict, comm: MPI.Comm) -> Dict:
         changes.update(aid_changes(cell["aids"], base))
     summary = train(dataclasses.replace(base, **changes), comm)
     return {**cell, "final_metric": summary.test_metric, "train_loss": summary.train_loss, "steps": summary.steps,
-            "wall": summary.wall}
+            "wall": summary.wall, "mean_density": summary.density, "bytes_inter": summary.bytes_inter}
 
 
 def table(runs: List[Dict]) -> str:
-    """One line per cell: mean, spread and distance from dense of the final metric."""
+    """One line per cell: mean, spread and distance from dense of the final
+    metric, and the mean density sent a step (a density schedule raises it)."""
     groups: Dict[str, List[float]] = {}
+    sent: Dict[str, List[float]] = {}
     for run in runs:
         groups.setdefault(run["cell"], []).append(run["final_metric"])
+        sent.setdefault(run["cell"], []).append(run.get("mean_density", math.nan))
     dense = statistics.fmean(groups[DENSE]) if DENSE in groups else None
-    lines = [f"{'cell':<34} {'mean':>7} {'std':>7} {'min':>7} {'max':>7} {'vs dense':>9} {'seeds':>5}"]
+    lines = [f"{'cell':<34} {'mean':>7} {'std':>7} {'min':>7} {'max':>7} {'vs dense':>9} {'seeds':>5} {'sent':>8}"]
     for cell, values in groups.items():
         mean = statistics.fmean(values)
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         gap = f"{100 * (mean - dense):+8.2f}p" if dense is not None and cell != DENSE else f"{'-':>9}"
-        lines.append(f"{cell:<34} {mean:7.4f} {spread:7.4f} {min(values):7.4f} {max(values):7.4f} {gap} {len(values):>5}")
+        lines.append(f"{cell:<34} {mean:7.4f} {spread:7.4f} {min(values):7.4f} {max(values):7.4f} {gap} {len(values):>5} "
+                     f"{statistics.fmean(sent[cell]):8.4g}")
     return "\n".join(lines)
 
 

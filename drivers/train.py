@@ -30,7 +30,7 @@ from spar_comm.errors import ConfigError, SparCommError  # noqa: E402
 from spar_comm.files import BadFileError  # noqa: E402
 from spar_comm.topology import ENV_RANKS_PER_NODE  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
-from spar_comm.training.config import DATASETS, DEVICES, MODELS, SCHEDULES  # noqa: E402
+from spar_comm.training.config import DATASETS, DENSITY_SCHEDULES, DEVICES, MODELS, SCHEDULES  # noqa: E402
 
 RANK = MPI.COMM_WORLD.rank
 DEFAULTS = TrainConfig()
@@ -90,9 +90,16 @@ def make_parser() -> RankZeroParser:
     aids.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=DEFAULTS.momentum_masking,
                       help="clear the local velocity where the reduced update is non-zero (needs momentum correction; "
                            "damps momentum, so off unless the density is very low)")
+    aids.add_argument("--density-schedule", default=DEFAULTS.density_schedule, choices=DENSITY_SCHEDULES,
+                      help="fixed: --density throughout; warmup: DGC's warm-up (--density-warmup*); accordion: "
+                           "--accordion-high in critical regimes, --density elsewhere (default: %(default)s)")
     aids.add_argument("--density-warmup", type=int, default=DEFAULTS.density_warmup, metavar="EPOCHS",
                       help="density falls exponentially from --density-warmup-start to --density over these epochs (0: off)")
     aids.add_argument("--density-warmup-start", type=float, default=DEFAULTS.density_warmup_start, help="density of the first epoch")
+    aids.add_argument("--accordion-high", type=float, default=DEFAULTS.accordion_high, metavar="DENSITY",
+                      help="Accordion's density in critical regimes (default: ten times --density, at most 1)")
+    aids.add_argument("--accordion-eta", type=float, default=DEFAULTS.accordion_eta,
+                      help="relative change of the epoch's update norm that marks a critical regime (default: %(default)s)")
     aids.add_argument("--clip-norm", type=float, default=DEFAULTS.clip_norm,
                       help="clip each rank's gradient to this norm / sqrt(ranks) before accumulation (0: off)")
     run = p.add_argument_group("trace, checkpoints and stopping")

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spar_comm.training.aids import DensityWarmup, LocalAids, MomentumCorrection, clip_by_norm
+from spar_comm.training.aids import LocalAids, MomentumCorrection, clip_by_norm
+from spar_comm.training.density import DensityWarmup
 from spar_comm.training.config import TrainConfig
 from spar_comm.training.optim import SGD
 

@@ -11,7 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from mpi_helpers import assert_all, assert_identical_bits
-from spar_comm.training.aids import DensityWarmup, LocalAids, ScheduledAllreduce
+from spar_comm.training.aids import LocalAids, ScheduledAllreduce
+from spar_comm.training.density import DensityWarmup
 from spar_comm.training.config import TrainConfig
 from spar_comm.training.distributed import Group
 from spar_comm.training.loop import train

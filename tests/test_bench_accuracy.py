@@ -14,7 +14,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "drivers"))
 import bench_accuracy  # noqa: E402
 
-AIDS_OFF_FLAGS = ["--no-momentum-correction", "--no-momentum-masking", "--density-warmup", "0", "--clip-norm", "0"]
+AIDS_OFF_FLAGS = ["--no-momentum-correction", "--no-momentum-masking", "--density-schedule", "fixed", "--density-warmup", "0",
+                  "--clip-norm", "0"]
 
 
 def accuracy_of(result) -> float:
@@ -43,12 +44,15 @@ def test_each_cell_is_the_train_py_run_of_its_flags(run_driver, tmp_path):
 
 
 def test_the_table_gives_mean_spread_and_distance_from_dense():
-    runs = [{"cell": "dense", "final_metric": m} for m in (0.96, 0.98)]
-    runs += [{"cell": "hitopk 0.001 aids on", "final_metric": m} for m in (0.90, 0.94, 0.95)]
+    runs = [{"cell": "dense", "final_metric": m, "mean_density": 1.0} for m in (0.96, 0.98)]
+    runs += [{"cell": "hitopk 0.001 aids on", "final_metric": m, "mean_density": d}
+             for m, d in ((0.90, 0.001), (0.94, 0.002), (0.95, 0.003))]
     lines = bench_accuracy.table(runs).splitlines()
     dense, sparse = lines[1].split(), lines[2].split()
     assert dense[1:5] == ["0.9700", f"{statistics.stdev([0.96, 0.98]):.4f}", "0.9600", "0.9800"] and dense[5] == "-"
-    assert sparse[4:] == ["0.9300", f"{statistics.stdev([0.90, 0.94, 0.95]):.4f}", "0.9000", "0.9500", "-4.00p", "3"]
+    assert sparse[4:] == ["0.9300", f"{statistics.stdev([0.90, 0.94, 0.95]):.4f}", "0.9000", "0.9500", "-4.00p", "3",
+                          "0.002"]
+    assert dense[-1] == "1"  # the mean density sent a step
 
 
 def test_an_aid_set_switches_on_what_it_names_and_off_the_rest():
@@ -61,11 +65,16 @@ def test_an_aid_set_switches_on_what_it_names_and_off_the_rest():
         (True, False, 3, 0.0)
     masked = bench_accuracy.aid_changes("mc+mask", base)
     assert (masked["momentum_correction"], masked["momentum_masking"], masked["density_warmup"]) == (True, True, 0)
+    assert (both["density_schedule"], masked["density_schedule"]) == ("warmup", "fixed")
+    accordion = bench_accuracy.aid_changes("mc+accordion", base)
+    assert (accordion["density_schedule"], accordion["momentum_correction"], accordion["density_warmup"]) == \
+        ("accordion", True, 0)
 
 
 @pytest.mark.parametrize("args, words", [
     (["--aids", "on,mc+nope"], "--aids"),
     (["--aids", "mc+mc"], "--aids"),
+    (["--aids", "warmup+accordion"], "--aids"),
     (["--workload", "--density 0.5"], "--workload sets --density"),
     (["--workload=--seed=3"], "--workload sets --seed"),
     (["--workload", "--epochs -1"], "epochs"),

@@ -103,6 +103,35 @@ def test_resume_with_the_aids_crosses_a_density_rebuild_to_the_same_bits(tmp_pat
     assert len(set(density)) == 4  # rebuilds at steps 14, 28 and 42; the stop at 20 falls between two
 
 
+def test_an_accordion_run_switches_density_and_resumes_mid_epoch_to_the_same_bits(tmp_path):
+    """Accordion's state (the epoch's accumulated update, the last norm, the
+    density) goes through the checkpoint: a run stopped inside an epoch resumes
+    to the bits of one that never stopped, densities included."""
+    steps_per_epoch = 1437 // 2 // 32  # 22: digits' 1,437 training samples at 2 ranks
+    common = [*FAST, "--steps", str(4 * steps_per_epoch), "--ranks-per-node", "1", "--algorithm", "hitopk",
+              "--density", "0.01", "--density-schedule", "accordion"]
+    full_trace, trace = str(tmp_path / "full_t.h5"), str(tmp_path / "t.h5")
+    full = run_train(2, [*common, "--trace", full_trace, "--checkpoint", str(tmp_path / "full.h5")])
+    assert full.returncode == 0, full.stderr
+    assert "(accordion: 0.1 in critical regimes, eta 0.5)" in full.stdout
+    first = run_train(2, [*common, "--trace", trace, "--checkpoint", str(tmp_path / "part.h5"), "--stop-after", "50"])
+    assert first.returncode == 0, first.stderr
+    with h5py.File(tmp_path / "part.h5") as f:
+        assert f["schedule/accumulated"].shape == (sum(p.size for p in f["params"].values()),)
+    second = run_train(2, [*common, "--trace", trace, "--checkpoint", str(tmp_path / "part.h5"), "--resume"])
+    assert second.returncode == 0, second.stderr
+    a, b = datasets(tmp_path / "full.h5"), datasets(tmp_path / "part.h5")
+    assert sorted(a) == sorted(b) and "schedule/accumulated" in a
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    density = read_trace(full_trace).data["density"]
+    assert np.array_equal(read_trace(trace).data["density"], density)
+    by_epoch = [set(density[e * steps_per_epoch:(e + 1) * steps_per_epoch].tolist()) for e in range(4)]
+    assert all(len(d) == 1 for d in by_epoch), by_epoch  # decided once an epoch
+    assert by_epoch[0] == by_epoch[1] == {0.1}  # critical at the start: no earlier norm to compare with
+    assert by_epoch[2] == {0.01}  # the stop at step 50 falls inside the first epoch at the target
+
+
 def test_resume_refuses_changed_settings(tmp_path):
     ckpt = str(tmp_path / "c.h5")
     assert run_train(2, [*FAST, "--steps", "5", "--trace", "", "--checkpoint", ckpt]).returncode == 0

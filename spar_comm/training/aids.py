@@ -26,9 +26,10 @@ allreducer by the training loop (optax is the model):
 * **density warm-up**: the density falls exponentially from
   ``density_warmup_start`` to the target over the first
   ``density_warmup`` epochs (DGC's 0.25, 0.0625, 0.0156, 0.0039, then the
-  target 0.001). An allreducer's k is fixed (its exchange buffers are sized
-  for it), so ``ScheduledAllreduce`` builds a new one when the density
-  changes and carries the residual over.
+  target 0.001); it is one of the density schedules of ``density.py``,
+  beside a fixed density and Accordion's. An allreducer's k is fixed (its
+  exchange buffers are sized for it), so ``ScheduledAllreduce`` builds a new
+  one when the density changes and carries the residual over.
 
 Conservation holds for what enters the allreducer: summed over ranks and
 steps, the reduced updates plus the residuals equal the sum of the ``u``
@@ -50,25 +51,8 @@ import numpy as np
 
 from ..collectives import ALGORITHMS
 from .config import TrainConfig
+from .density import Fixed
 from .distributed import FusedAllreduce, Group
-
-
-@dataclass(frozen=True)
-class DensityWarmup:
-    """The density of each step: ``start * (target/start)**(epoch/epochs)`` in
-    the first ``epochs`` epochs, then ``target``. A pure function of the step,
-    so every rank (and a resumed run) computes the same schedule."""
-
-    target: float
-    start: float
-    epochs: int
-    steps_per_epoch: int
-
-    def __call__(self, step: int) -> float:
-        epoch = step // self.steps_per_epoch
-        if epoch >= self.epochs or self.start <= self.target:
-            return self.target
-        return self.start * (self.target / self.start) ** (epoch / self.epochs)
 
 
 def clip_by_norm(grad: Any, max_norm: float, xp: Any) -> float:
@@ -149,7 +133,7 @@ class ScheduledAllreduce:
     at the target density, so the residual's layout never changes.
     """
 
-    def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: DensityWarmup):
+    def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: Fixed):
         self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
         known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # auto: not known before it is built
         self.density = schedule(0) if known_sparse else schedule.target
@@ -165,6 +149,13 @@ class ScheduledAllreduce:
             self.current.reducer.free()
             self.current, self.density = fresh, density
         return self.current
+
+    def reduce(self, step: int, grad: Any, xp: Any) -> Any:
+        """Step ``step``'s allreduce at its density; the schedule sees the result."""
+        reduced = self.at(step)(grad, xp)
+        if self.current.sparse:
+            self.schedule.observe(step, reduced, xp)
+        return reduced
 
     # The FusedAllreduce interface, for the loop and the checkpoint.
     def __call__(self, grad: Any, xp: Any) -> Any:

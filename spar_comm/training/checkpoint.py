@@ -1,6 +1,6 @@
 """Checkpoints: one HDF5 file with everything a run needs to continue to the
 same bits: parameters, optimizer state, the residual of every rank, the data
-order and the step.
+order, the step, and a stateful density schedule's state (Accordion's).
 
 Rank 0 writes a temporary file and renames it over the old one, so a crash
 while saving never loses the previous checkpoint.
@@ -42,11 +42,14 @@ OLDER = (f"no checksum: a checkpoint of format 1 (or another program's HDF5 file
 def save_checkpoint(
     path: str, group: Group, config: TrainConfig, step: int, layout: ParamLayout,
     params: Any, velocity: Any, reducer: FusedAllreduce, shards: Shards, local_velocity: Any = None,
+    schedule: Any = None,
 ) -> None:
     """Write the state after ``step`` steps. Collective over the group.
 
     ``local_velocity`` is the convergence aids' per-rank velocity (aids.py),
-    saved for every rank like the residuals."""
+    saved for every rank like the residuals. A ``schedule`` with a
+    ``state_dict`` (density.py's Accordion) is saved from rank 0: its state
+    is the same on every rank."""
     span, residual = reducer.residual()
     # Pickled gather: once per checkpoint, never on the hot path.
     residuals = group.comm.gather((span, residual), root=0)
@@ -69,6 +72,12 @@ def save_checkpoint(
             for rank, values in enumerate(local):
                 if values is not None:
                     f.create_dataset(f"aids/velocity/rank{rank}", data=values)
+            state = schedule.state_dict() if hasattr(schedule, "state_dict") else None
+            if state is not None:
+                kept = f.create_group("schedule")
+                kept.attrs.update(previous_norm=state["previous_norm"], density=state["density"])
+                if state["accumulated"] is not None:
+                    kept.create_dataset("accumulated", data=to_host(state["accumulated"]))
             epoch, batch = shards.position(step)
             f.create_group("data").attrs.update(
                 seed=shards.seed, epoch=epoch, batch=batch, steps_per_epoch=shards.steps_per_epoch,
@@ -96,6 +105,7 @@ class Saved:
     residual_span: Tuple[int, int]
     residual: Optional[np.ndarray]  # None on a rank the saving run did not have
     local_velocity: Optional[np.ndarray]  # the convergence aids' velocity, where the run had one
+    schedule: Optional[dict] = None  # a stateful density schedule's state, where the run had one
 
 
 def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
@@ -106,7 +116,7 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
         version = attribute(f, "format", int)
         if version != FORMAT:
             raise BadFileError(path, f"checkpoint format {version}; this version of spar_comm reads format {FORMAT}")
-        mine = [f"residuals/rank{rank}", f"aids/velocity/rank{rank}"]
+        mine = [f"residuals/rank{rank}", f"aids/velocity/rank{rank}", "schedule/accumulated"]
         values = verify(f, keep=[f"{group}/{name}" for group in GROUPS for name in layout.names] + mine)
         try:
             config = TrainConfig.from_json(attribute(f, "config", str))
@@ -133,12 +143,24 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
         if rank < world and mine[1] in f:
             dataset(f, mine[1], "f", (layout.size,))
             local = finite(path, mine[1], values[mine[1]])
-        return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local)
+        schedule = None
+        if "schedule" in f:
+            kept = f["schedule"]
+            norm, density = attribute(kept, "previous_norm", float), attribute(kept, "density", float)
+            if not (norm == -1 or norm >= 0) or not 0 < density <= 1:
+                raise BadFileError(path, f"schedule: previous_norm {norm} and density {density} must be a norm "
+                                         "(or -1: none yet) and a density in (0, 1]")
+            accumulated = None
+            if mine[2] in f:
+                dataset(f, mine[2], "f", (layout.size,))
+                accumulated = finite(path, mine[2], values[mine[2]])
+            schedule = dict(accumulated=accumulated, previous_norm=norm, density=density)
+        return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local, schedule)
 
 
 def load_checkpoint(
     path: str, group: Group, config: TrainConfig, layout: ParamLayout,
-    params: Any, velocity: Any, reducer: FusedAllreduce, xp: Any, local_velocity: Any = None,
+    params: Any, velocity: Any, reducer: FusedAllreduce, xp: Any, local_velocity: Any = None, schedule: Any = None,
 ) -> int:
     """Restore the state in place; return the step to continue from.
 
@@ -146,7 +168,8 @@ def load_checkpoint(
     restored; a bad file (BadFileError) or a checkpoint of other settings
     (ConfigError) is refused alike on every rank, and nothing is changed.
     ``local_velocity`` receives the convergence aids' velocity (momentum
-    correction), which the checkpoint must then hold.
+    correction), which the checkpoint must then hold; so must it a stateful
+    ``schedule``'s state.
     """
     saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
     changed = config.differences(saved.config)
@@ -160,7 +183,12 @@ def load_checkpoint(
         if saved.local_velocity is None:
             raise ConfigError(f"cannot resume {path}: it holds no local velocity for momentum correction")
         restored.append((local_velocity, saved.local_velocity))
+    stateful = hasattr(schedule, "load_state_dict")
+    if stateful and saved.schedule is None:
+        raise ConfigError(f"cannot resume {path}: it holds no state for the density schedule")
     for flat, host in restored:
         flat[...] = xp.asarray(host, dtype=flat.dtype, device=array_api_compat.device(flat))
     reducer.load_residual(saved.residual_span, saved.residual)
+    if stateful:
+        schedule.load_state_dict(saved.schedule, xp, like=params)
     return saved.step

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..memory import DEVICES  # where a run computes: cpu, gpu, or gpu-simulator (the GPU path on the CPU)
+from .density import SCHEDULES as DENSITY_SCHEDULES
 
 MODELS = ("mlp", "softmax", "cnn")
 DATASETS = ("digits", "synthetic")
@@ -46,8 +47,11 @@ class TrainConfig:
     # measurements behind this choice are in docs/results/convergence-aids.md.
     momentum_correction: bool = True
     momentum_masking: bool = False
+    density_schedule: str = "warmup"
     density_warmup: int = 4
     density_warmup_start: float = 0.25
+    accordion_high: float = 0.0  # 0: ten times --density, at most 1
+    accordion_eta: float = 0.5
     clip_norm: float = 0.0
     seed: int = 0
     dtype: str = "float32"
@@ -78,6 +82,13 @@ class TrainConfig:
             found.append(f"--density must be in (0, 1], got {self.density}")
         if not 0 < self.density_warmup_start <= 1:
             found.append(f"--density-warmup-start must be in (0, 1], got {self.density_warmup_start}")
+        if self.density_schedule not in DENSITY_SCHEDULES:
+            found.append(f"--density-schedule must be one of {', '.join(DENSITY_SCHEDULES)}, got {self.density_schedule!r}")
+        if not 0 <= self.accordion_high <= 1 or (self.accordion_high and self.accordion_high < self.density):
+            found.append(f"--accordion-high must be in [--density, 1] (or 0: ten times --density), "
+                         f"got {self.accordion_high}")
+        if not self.accordion_eta > 0:
+            found.append(f"--accordion-eta must be > 0, got {self.accordion_eta}")
         if self.momentum_masking and not self.momentum_correction:
             found.append("--momentum-masking clears the corrected velocity: it needs momentum correction "
                          "(add --no-momentum-masking)")

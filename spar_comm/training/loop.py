@@ -21,7 +21,8 @@ from ..consensus import raise_if_any
 from ..errors import ConfigError
 from ..files import BadFileError
 from ..topology import Topology
-from .aids import DensityWarmup, LocalAids, ScheduledAllreduce
+from .aids import LocalAids, ScheduledAllreduce
+from .density import make_schedule
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .control import StopControl
@@ -48,6 +49,8 @@ class Summary:
     select_s: float
     stopped: str
     setup: str
+    density: float = 1.0  # the mean density sent a step (schedules change it)
+    bytes_inter: float = 0.0  # the mean bytes a rank sent between nodes a step
 
     def line(self) -> str:
         """The one line rank 0 prints at the end of a run."""
@@ -117,8 +120,10 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         )
     total = config.steps or (config.epochs or default_epochs(data.name)) * shards.steps_per_epoch
     lr_at = LearningRate(config.lr, total, config.warmup, config.schedule)
-    warmup = DensityWarmup(config.density, config.density_warmup_start, config.density_warmup, shards.steps_per_epoch)
-    allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, warmup)
+    density = make_schedule(config.density_schedule, config.density, shards.steps_per_epoch,
+                            warmup_start=config.density_warmup_start, warmup_epochs=config.density_warmup,
+                            high=config.accordion_high, eta=config.accordion_eta)
+    allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density)
     aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
 
@@ -126,12 +131,12 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     start = 0
     if config.resume:
         start = load_checkpoint(config.checkpoint, group, config, model.layout, params, optimizer.velocity, allreduce, xp,
-                                local_velocity=aids.velocity)
+                                local_velocity=aids.velocity, schedule=density)
     else:
         group.broadcast(params, xp)
     method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
-    if allreduce.sparse and warmup(0) != config.density:  # say what the first epochs sent
-        method += f" (warm-up from {warmup(0):g} over {warmup.epochs} epochs)"
+    if allreduce.sparse:  # say what the schedule sends beside --density
+        method += density.describe()
     setup = (
         f"{method}, {model_name} "
         f"({model.layout.size:,} parameters) on {data.name}, {topology.describe().split(';')[0]}"
@@ -163,7 +168,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         loss, grad = model.loss_and_grad(params, batch)
         grad = aids.before_allreduce(grad, params)
         t2 = time.perf_counter()
-        grad = allreduce.at(step)(grad, xp)
+        grad = allreduce.reduce(step, grad, xp)
         t3 = time.perf_counter()
         aids.after_allreduce(grad)
         lr = lr_at(step)
@@ -192,7 +197,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total and not reason:
             recorder.flush()  # the trace then holds every step the checkpoint covers
             save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
-                                local_velocity=aids.velocity)
+                                local_velocity=aids.velocity, schedule=density)
     wall = time.perf_counter() - began
     recorder.flush()
     bar.close()
@@ -203,7 +208,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         accuracy = evaluate(model, params, data, group, xp, device)
     if config.checkpoint:
         save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
-                            local_velocity=aids.velocity)
+                            local_velocity=aids.velocity, schedule=density)
     if writer:
         writer.close()
     summary = None
@@ -214,6 +219,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
             steps_per_s=(step - start) / wall if wall > 0 else 0.0, step_s=per_step[COLUMN["step"]],
             comm_s=per_step[COLUMN["comm_intra"]] + per_step[COLUMN["comm_inter"]],
             select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
+            density=per_step[COLUMN["density"]], bytes_inter=per_step[COLUMN["bytes_inter"]],
         )
     return group.comm.bcast(summary, root=0)
 
