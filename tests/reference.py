@@ -13,6 +13,7 @@ import math
 from fractions import Fraction
 from typing import Dict, List
 
+import ml_dtypes
 import numpy as np
 
 
@@ -26,6 +27,36 @@ def top_positions(a: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k])
 
 
+def round_float32(v: np.ndarray) -> np.ndarray:
+    big = float(np.finfo(np.float32).max)
+    return np.clip(v, -big, big).astype(np.float32).astype(v.dtype)
+
+
+def round_float16(v: np.ndarray) -> np.ndarray:
+    return np.clip(v, -65504.0, 65504.0).astype(np.float16).astype(v.dtype)
+
+
+def round_bfloat16(v: np.ndarray) -> np.ndarray:
+    big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    return np.clip(v, -big, big).astype(np.float32).astype(ml_dtypes.bfloat16).astype(v.dtype)
+
+
+def round_int8_blocks(v: np.ndarray, block: int = 256) -> np.ndarray:
+    """ZeRO++-style: blocks of ``block`` values, scale max|b| / 127 in float32, steps rounded to nearest."""
+    out = np.empty_like(v)
+    for start in range(0, v.size, block):
+        big = float(np.finfo(np.float32).max)
+        b = np.clip(v[start : start + block], -big, big).astype(np.float32)
+        scale = np.float32(np.abs(b).max() / np.float32(127)) if b.size else np.float32(0)
+        steps = np.clip(np.rint(b / scale), -127, 127) if scale > 0 else np.zeros_like(b)
+        out[start : start + block] = (steps.astype(np.float32) * scale).astype(v.dtype)
+    return out
+
+
+#: What each value codec makes of the values it sends, written independently of the package.
+ROUNDING = {"float32": round_float32, "float16": round_float16, "bfloat16": round_bfloat16, "int8": round_int8_blocks}
+
+
 def node_list(p: int, ranks_per_node: int) -> List[List[int]]:
     return [list(range(first, min(first + ranks_per_node, p))) for first in range(0, p, ranks_per_node)]
 
@@ -33,10 +64,12 @@ def node_list(p: int, ranks_per_node: int) -> List[List[int]]:
 class Reference:
     """Plays one algorithm over ``p`` ranks in nodes of ``ranks_per_node``."""
 
-    def __init__(self, algorithm, p, ranks_per_node, n, dtype, density, error_feedback=True, average=True):
+    def __init__(self, algorithm, p, ranks_per_node, n, dtype, density, error_feedback=True, average=True,
+                 values=None):
         self.algorithm, self.p, self.n = algorithm, p, n
         self.dtype, self.density = np.dtype(dtype), density
         self.error_feedback, self.average = error_feedback, average
+        self.rounding = ROUNDING[values] if values else None  # a value codec: what is sent, the rest kept
         self.nodes = node_list(p, ranks_per_node)
         self.residuals = [np.zeros(n, self.dtype) for _ in range(p)]
 
@@ -53,6 +86,10 @@ class Reference:
         idx = top_positions(acc, k)
         values = acc[idx].copy()
         acc[idx] = 0
+        if self.rounding is not None:
+            sent = self.rounding(values)
+            acc[idx] = values - sent
+            values = sent
         if self.error_feedback:
             self.residuals[rank][lo:hi] = acc
         return idx + lo, values

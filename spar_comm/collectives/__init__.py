@@ -43,6 +43,7 @@ def make_allreducer(
     average: bool = True,
     selector_options: Dict[str, Any] | None = None,
     shared_buffer: bool = False,
+    values: str | None = None,
 ) -> Allreducer:
     """An allreducer of ``algorithm`` for flat gradients of ``size`` elements.
 
@@ -52,6 +53,9 @@ def make_allreducer(
     model predicts fastest for this topology and size (``spar_comm.costmodel.auto``).
     ``shared_buffer=True`` puts ``.buffer`` in the node's shared memory where
     the algorithm can read it without a copy (see ``Allreducer.buffer``).
+    ``values`` narrows the values of the (index, value) pairs on the wire
+    (``codecs.VALUES``; topka, hitopk and hitopk_leader), what they round
+    away kept in the residual.
     """
     known = isinstance(algorithm, str) and (algorithm == AUTO or algorithm in ALGORITHMS)
     problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join([*ALGORITHMS, AUTO])}"
@@ -62,4 +66,5 @@ def make_allreducer(
 
         algorithm = choose(topology, size, dtype, density, selector)
     cls = ALGORITHMS[algorithm]
-    return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer)
+    return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer,
+               values)

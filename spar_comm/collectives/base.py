@@ -30,12 +30,15 @@ from ..launch import abort_job
 from ..memory import HostMemory
 from ..topology import Topology
 from .channel import Channel
+from .codecs import VALUES, make_codec
 from .shm import MessageReduceScatter, node_reduce_scatter
 
 #: Gradient dtypes; NumPy knows bfloat16 through ml_dtypes.
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: Indices travel as int32 positions within a shard.
 MAX_SHARD = 2**31 - 1
+#: The algorithms whose pairs may travel through a value codec.
+CODEC_ALGORITHMS = ("topka", "hitopk", "hitopk_leader")
 
 
 def sum_dtype(dtype: Any) -> np.dtype:
@@ -102,6 +105,8 @@ class Allreducer:
     #: Whether the result is the sum (or mean) over ranks; ``adasum``'s is not,
     #: so ``auto`` never swaps it in for another.
     sums = True
+    #: Whether its (index, value) pairs may travel through a value codec (``values=``).
+    codecs = False
 
     def __init__(
         self,
@@ -114,12 +119,19 @@ class Allreducer:
         average: bool = True,
         selector_options: Optional[Dict[str, Any]] = None,
         shared_buffer: bool = False,
+        values: Optional[str] = None,
     ):
         world = topology.world
         problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse,
                                   topology.memory)
         if problem is None and not isinstance(shared_buffer, bool):
             problem = f"shared_buffer must be True or False, got {shared_buffer!r}"
+        if problem is None and values is not None:
+            if values not in VALUES:
+                problem = f"values must be one of {', '.join(VALUES)}, got {values!r}"
+            elif not self.codecs:
+                problem = (f"values={values!r}: {self.name} takes no value codec; "
+                           f"value codecs apply to {', '.join(CODEC_ALGORITHMS)}")
         raise_if_any(world, problem)
         require_same(
             world,
@@ -134,6 +146,7 @@ class Allreducer:
                 average=bool(average),
                 selector_options=repr(sorted((selector_options or {}).items())),
                 shared_buffer=shared_buffer,
+                values=values,
             ),
         )
         self.topology = topology
@@ -150,6 +163,7 @@ class Allreducer:
         self.error_feedback = bool(error_feedback)
         self.average = bool(average)
         self.shared_buffer = shared_buffer
+        self.codec = make_codec(values, self.dtype, self.xp)
         self._buffer: Any = None  # see ``buffer``
         self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_reduce_scatter``)
         self._code = np.zeros(1, dtype=np.int32)
@@ -227,6 +241,14 @@ class Allreducer:
         if len(values):
             self.last["threshold"] = min(self.last["threshold"], float(self.xp.abs(values).min()))
         return indices, values
+
+    def keep_rounding(self, acc: Any, indices: Any, values: Any, sent: Any) -> None:
+        """Return what a lossy codec rounded away to the residual ``acc`` (which
+        ``select`` cleared at ``indices``), so that the sent values plus the
+        residual are exactly the selected values. The difference is exact:
+        a value and its rounding lie within a factor of two (Sterbenz)."""
+        if self.codec.lossy and self.error_feedback:
+            acc[indices] = values - sent
 
     # -- the public interface ----------------------------------------------------------
     @property

@@ -30,13 +30,14 @@ class _Site:
         lo, hi = shard_bounds(owner.size, owner.topology.shards_per_node, j)
         self.lo, self.hi = lo - owner.lo, hi - owner.lo  # within my region
         self.k = selection_size(owner.density, hi - lo)
-        self.exchange = PairExchange(rail, self.k, owner.dtype)
+        self.exchange = PairExchange(rail, self.k, owner.dtype, owner.codec)
         self.selector = owner.new_selector()
 
 
 class HiTopKAllreducer(Allreducer):
     name = "hitopk"
     sparse = True
+    codecs = True
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
@@ -58,23 +59,26 @@ class HiTopKAllreducer(Allreducer):
         picks = [self.select(site.selector, acc[site.lo : site.hi], site.k) for site in self.sites]
         if self.local.size == 1:  # this rank is its node: sum straight into the output, as topka does
             out = self.output(zeroed=True)  # grad (perhaps ``out``) was read for the last time above
-            touched = self._exchange(picks, out)
+            touched = self._exchange(picks, out, acc)
             out[touched] = self.averaged(out[touched])
             return out
         reduced = self.reduced  # zero outside the positions touched below
-        touched = self._exchange(picks, reduced)
+        touched = self._exchange(picks, reduced, acc)
         reduced[touched] = self.averaged(reduced[touched])
         try:
             return self._share_in_node(reduced, sorted_distinct(touched))  # each position sent once
         finally:
             reduced[touched] = 0
 
-    def _exchange(self, picks: list, region: Any) -> Any:
-        """Every site's rail Allgather of its picks, summed into ``region`` (mine);
-        returns the positions touched, with repeats (harmless: each is read,
-        then written back)."""
-        touched = [site.exchange(indices, values, region[site.lo : site.hi]) + site.lo
-                   for site, (indices, values) in zip(self.sites, picks)]
+    def _exchange(self, picks: list, region: Any, acc: Any) -> Any:
+        """Every site's rail Allgather of its picks, summed into ``region`` (mine),
+        a lossy codec's rounding kept in ``acc``; returns the positions touched,
+        with repeats (harmless: each is read, then written back)."""
+        touched = []
+        for site, (indices, values) in zip(self.sites, picks):
+            positions, sent = site.exchange(indices, values, region[site.lo : site.hi])
+            self.keep_rounding(acc[site.lo : site.hi], indices, values, sent)
+            touched.append(positions + site.lo)
         return self.xp.concatenate(touched)
 
     def _node_sum_with_residual(self, grad: Any) -> Any:

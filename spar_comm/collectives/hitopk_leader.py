@@ -18,6 +18,7 @@ from .pairs import PairExchange
 class HiTopKLeaderAllreducer(Allreducer):
     name = "hitopk_leader"
     sparse = True
+    codecs = True
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
@@ -27,7 +28,7 @@ class HiTopKLeaderAllreducer(Allreducer):
             self.k = selection_size(self.density, self.size)
             self.node_sum = self.xp.empty(self.size, dtype=self.dtype)
             leaders = self.channel(topology.leader, spans_nodes=True)
-            self.exchange = PairExchange(leaders, self.k, self.dtype)
+            self.exchange = PairExchange(leaders, self.k, self.dtype, self.codec)
             self.selector = self.new_selector()
             self.keep_residual(0, self.size)
 
@@ -38,7 +39,8 @@ class HiTopKLeaderAllreducer(Allreducer):
         if self.is_leader:
             acc = self.with_residual(node_sum)
             indices, values = self.select(self.selector, acc, self.k)
-            touched = self.exchange(indices, values, out)
+            touched, sent = self.exchange(indices, values, out)
+            self.keep_rounding(acc, indices, values, sent)
             out[touched] = self.averaged(out[touched])
         self.local.bcast(out)
         return out

@@ -1,6 +1,7 @@
 """(index, value) pairs packed into one byte buffer, so that one collective
 moves both. A record for k pairs is ``[k values | pad | k int32 indices | pad]``,
-padded to 8 bytes so that every view inside it is aligned.
+padded to 8 bytes so that every view inside it is aligned. The values are
+written by a value codec (``codecs.py``): as the sum holds them, or narrower.
 
 Buffers are arrays of the channel's memory (host or GPU); the views are taken
 on the whole contiguous buffer, which NumPy and CuPy both allow.
@@ -12,6 +13,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from ..kernels import scatter_add
+from .codecs import Exact
 
 INDEX = np.dtype(np.int32)
 
@@ -21,13 +23,15 @@ def _up8(nbytes: int) -> int:
 
 
 class PairLayout:
-    """The byte layout of one record of ``k`` pairs of ``dtype`` values."""
+    """The byte layout of one record of ``k`` pairs of ``dtype`` values, written
+    by ``codec`` (default: as they are, which ``views`` and ``all_views`` need)."""
 
-    def __init__(self, k: int, dtype: np.dtype, xp: Any = np):
+    def __init__(self, k: int, dtype: np.dtype, xp: Any = np, codec: Any = None):
         self.k = k
         self.dtype = np.dtype(dtype)
         self.xp = xp
-        self.index_offset = _up8(k * self.dtype.itemsize)
+        self.codec = codec if codec is not None else Exact(self.dtype, xp)
+        self.index_offset = _up8(self.codec.nbytes(k))
         self.nbytes = _up8(self.index_offset + k * INDEX.itemsize)
 
     def empty(self, records: int = 1) -> Any:
@@ -39,31 +43,49 @@ class PairLayout:
         values, indices = self.all_views(buf[record * self.nbytes : (record + 1) * self.nbytes], 1)
         return values[0], indices[0]
 
+    def write(self, buf: Any, indices: Any, values: Any) -> Any:
+        """Encode one record into ``buf``; return the values as receivers decode them."""
+        self.codec.encode(values, buf[: self.index_offset])
+        buf[self.index_offset : self.index_offset + self.k * INDEX.itemsize].view(INDEX)[...] = indices
+        if not self.codec.lossy:
+            return values
+        return self.codec.decode(buf[: self.nbytes].reshape(1, self.nbytes), self.k)[0]
+
+    def read_all(self, buf: Any, records: int) -> Tuple[Any, Any]:
+        """(values, indices) of every record, each (records, k), values decoded."""
+        if not self.codec.lossy:
+            return self.all_views(buf, records)
+        indices = self.all_views_of_indices(buf, records)
+        return self.codec.decode(buf[: records * self.nbytes].reshape(records, self.nbytes), self.k), indices
+
+    def all_views_of_indices(self, buf: Any, records: int) -> Any:
+        whole = buf[: records * self.nbytes]
+        first = self.index_offset // INDEX.itemsize
+        return whole.view(INDEX).reshape(records, self.nbytes // INDEX.itemsize)[:, first : first + self.k]
+
     def all_views(self, buf: Any, records: int) -> Tuple[Any, Any]:
         """(values, indices) of every record, each of shape (records, k), in record order."""
         whole = buf[: records * self.nbytes]
         values = whole.view(self.dtype).reshape(records, self.nbytes // self.dtype.itemsize)
-        indices = whole.view(INDEX).reshape(records, self.nbytes // INDEX.itemsize)
-        first = self.index_offset // INDEX.itemsize
-        return values[:, : self.k], indices[:, first : first + self.k]
+        return values[:, : self.k], self.all_views_of_indices(buf, records)
 
 
 class PairExchange:
     """Allgather of k (index, value) pairs from every rank of a channel, summed
     into a dense vector in rank order (so every rank gets the same bits)."""
 
-    def __init__(self, channel, k: int, dtype: np.dtype):
+    def __init__(self, channel, k: int, dtype: np.dtype, codec: Any = None):
         self.channel = channel
-        self.layout = PairLayout(k, dtype, channel.memory.xp)
+        self.layout = PairLayout(k, dtype, channel.memory.xp, codec)
         self.sendbuf = self.layout.empty()
         self.recvbuf = self.layout.empty(channel.size)
 
-    def __call__(self, indices: Any, values: Any, out: Any) -> Any:
-        """Add every rank's pairs into ``out``; returns the indices touched."""
-        send_values, send_indices = self.layout.views(self.sendbuf)
-        send_values[:] = values
-        send_indices[:] = indices
+    def __call__(self, indices: Any, values: Any, out: Any) -> Tuple[Any, Any]:
+        """Add every rank's pairs into ``out``; return the indices touched, and
+        this rank's values as every rank decoded them (``values`` itself unless
+        the codec is lossy)."""
+        sent = self.layout.write(self.sendbuf, indices, values)
         self.channel.allgather(self.sendbuf, self.recvbuf)
-        all_values, all_indices = self.layout.all_views(self.recvbuf, self.channel.size)
+        all_values, all_indices = self.layout.read_all(self.recvbuf, self.channel.size)
         scatter_add(out, all_indices, all_values)
-        return all_indices.ravel()
+        return all_indices.ravel(), sent

@@ -16,11 +16,12 @@ from .pairs import PairExchange
 class TopKAllgatherAllreducer(Allreducer):
     name = "topka"
     sparse = True
+    codecs = True
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
         self.k = selection_size(self.density, self.size)
-        self.exchange = PairExchange(self.world, self.k, self.dtype)
+        self.exchange = PairExchange(self.world, self.k, self.dtype, self.codec)
         self.selector = self.new_selector()
         self.keep_residual(0, self.size)
 
@@ -28,6 +29,7 @@ class TopKAllgatherAllreducer(Allreducer):
         acc = self.with_residual(grad)
         indices, values = self.select(self.selector, acc, self.k)
         out = self.output(zeroed=True)
-        touched = self.exchange(indices, values, out)
+        touched, sent = self.exchange(indices, values, out)
+        self.keep_rounding(acc, indices, values, sent)
         out[touched] = self.averaged(out[touched])
         return out

@@ -40,8 +40,9 @@ class Group:
         self.rank, self.size = self.comm.rank, self.comm.size
         self._flag = np.zeros(1, dtype=np.int32)
 
-    def allreducer(self, algorithm: str, size: int, dtype: str, density: float, selector: str) -> "FusedAllreduce":
-        return FusedAllreduce(make_allreducer(algorithm, self.topology, size, dtype, density, selector))
+    def allreducer(self, algorithm: str, size: int, dtype: str, density: float, selector: str,
+                   values: Optional[str] = None) -> "FusedAllreduce":
+        return FusedAllreduce(make_allreducer(algorithm, self.topology, size, dtype, density, selector, values=values))
 
     def broadcast(self, x: Any, xp: Any) -> None:
         """Overwrite ``x`` in place with rank 0's bits."""

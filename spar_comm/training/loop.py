@@ -123,7 +123,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     density = make_schedule(config.density_schedule, config.density, shards.steps_per_epoch,
                             warmup_start=config.density_warmup_start, warmup_epochs=config.density_warmup,
                             high=config.accordion_high, eta=config.accordion_eta)
-    allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density)
+    allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
+                                   config.values)
     aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
 
@@ -137,6 +138,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
     if allreduce.sparse:  # say what the schedule sends beside --density
         method += density.describe()
+    if config.values:
+        method += f", {config.values} values"
     setup = (
         f"{method}, {model_name} "
         f"({model.layout.size:,} parameters) on {data.name}, {topology.describe().split(';')[0]}"

@@ -1,0 +1,140 @@
+"""Value codecs: how the values of the (index, value) pairs look on the wire.
+
+A codec turns k values of an allreducer's sum dtype into bytes and back.
+Without one the values travel as they are (float32, or float64), the bits
+the algorithms always sent. The others narrow them:
+
+* ``float32``: a float64 sum's values narrowed to float32 (a float32 sum's
+  travel as they are);
+* ``float16``: IEEE half precision, saturated at +-65504, so that a large
+  value never becomes Inf;
+* ``bfloat16``: the top 16 bits of float32, rounded to nearest even (integer
+  operations, so CuPy runs it as NumPy does);
+* ``int8``: blocks of 256 values with one float32 scale each, max|v| / 127,
+  every value rounded to the nearest step (the blocked quantization of
+  ZeRO++'s qgZ).
+
+An allreducer returns what a lossy codec rounded away to its residual: the
+residual keeps ``value - decoded(value)`` where a selected value was sent,
+so error feedback conserves exactly what was applied.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+VALUES = ("float32", "float16", "bfloat16", "int8")
+#: The values of one int8 block share its scale.
+BLOCK = 256
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+_BFLOAT16_MAX = 3.3895313892515355e38  # 0x7F7F: the largest finite bfloat16
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class Exact:
+    """The values as the sum holds them."""
+
+    lossy = False
+
+    def __init__(self, dtype: Any, xp: Any):
+        self.dtype, self.xp = np.dtype(dtype), xp
+
+    def nbytes(self, k: int) -> int:
+        return k * self.dtype.itemsize
+
+    def encode(self, values: Any, raw: Any) -> None:
+        """Write ``values`` (k of them) into ``raw``, ``nbytes(k)`` bytes."""
+        raw[: values.size * self.dtype.itemsize].view(self.dtype)[...] = values
+
+    def decode(self, raw: Any, k: int) -> Any:
+        """The values of every record of ``raw`` (records x at least nbytes(k) bytes), as (records, k)."""
+        return self._part(raw, 0, self.nbytes(k)).view(self.dtype)
+
+    def _part(self, raw: Any, start: int, stop: int) -> Any:
+        return self.xp.ascontiguousarray(raw[:, start:stop])
+
+
+class Cast(Exact):
+    """Values cast to a narrower float type, saturated at its largest finite value."""
+
+    lossy = True
+
+    def __init__(self, dtype: Any, xp: Any, wire: Any, largest: float):
+        super().__init__(dtype, xp)
+        self.wire, self.largest = np.dtype(wire), largest
+
+    def nbytes(self, k: int) -> int:
+        return k * self.wire.itemsize
+
+    def encode(self, values: Any, raw: Any) -> None:
+        clipped = self.xp.clip(values, -self.largest, self.largest)
+        raw[: self.nbytes(values.size)].view(self.wire)[...] = clipped
+
+    def decode(self, raw: Any, k: int) -> Any:
+        return self._part(raw, 0, self.nbytes(k)).view(self.wire).astype(self.dtype)
+
+
+class BFloat16(Exact):
+    """float32's top 16 bits, rounded to nearest even."""
+
+    lossy = True
+
+    def nbytes(self, k: int) -> int:
+        return 2 * k
+
+    def encode(self, values: Any, raw: Any) -> None:
+        xp = self.xp
+        bits = xp.clip(values, -_BFLOAT16_MAX, _BFLOAT16_MAX).astype(np.float32).view(np.uint32)
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        raw[: 2 * values.size].view(np.uint16)[...] = rounded.astype(np.uint16)
+
+    def decode(self, raw: Any, k: int) -> Any:
+        halves = self._part(raw, 0, 2 * k).view(np.uint16)
+        return (halves.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(self.dtype)
+
+
+class Int8Blocks(Exact):
+    """``[one float32 scale per block | k int8 steps]``."""
+
+    lossy = True
+
+    @staticmethod
+    def blocks(k: int) -> int:
+        return -(-k // BLOCK)
+
+    def nbytes(self, k: int) -> int:
+        return 4 * self.blocks(k) + k
+
+    def encode(self, values: Any, raw: Any) -> None:
+        xp, k = self.xp, values.size
+        n = self.blocks(k)
+        padded = xp.zeros(n * BLOCK, dtype=np.float32)
+        padded[:k] = xp.clip(values, -_FLOAT32_MAX, _FLOAT32_MAX)  # a float64 value beyond float32's range
+        padded = padded.reshape(n, BLOCK)
+        scales = (xp.max(xp.abs(padded), axis=1) / np.float32(127)).astype(np.float32)
+        steps = xp.rint(padded / xp.where(scales > 0, scales, np.float32(1))[:, None])
+        raw[: 4 * n].view(np.float32)[...] = scales
+        raw[4 * n : 4 * n + k].view(np.int8)[...] = xp.clip(steps, -127, 127).reshape(-1)[:k].astype(np.int8)
+
+    def decode(self, raw: Any, k: int) -> Any:
+        n = self.blocks(k)
+        scales = self._part(raw, 0, 4 * n).view(np.float32)
+        steps = self._part(raw, 4 * n, 4 * n + k).view(np.int8)
+        return (steps.astype(np.float32) * self.xp.repeat(scales, BLOCK, axis=1)[:, :k]).astype(self.dtype)
+
+
+def make_codec(name: Optional[str], dtype: Any, xp: Any) -> Exact:
+    """The codec ``name`` (one of ``VALUES``, or None: as the sum holds them) for a sum of ``dtype``."""
+    dtype = np.dtype(dtype)
+    if name is None or name == dtype.name:
+        return Exact(dtype, xp)
+    if name == "float32":
+        return Cast(dtype, xp, np.float32, _FLOAT32_MAX)
+    if name == "float16":
+        return Cast(dtype, xp, np.float16, _FLOAT16_MAX)
+    if name == "bfloat16":
+        return BFloat16(dtype, xp)
+    if name == "int8":
+        return Int8Blocks(dtype, xp)
+    raise ValueError(f"values must be one of {', '.join(VALUES)}, got {name!r}")

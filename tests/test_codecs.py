@@ -1,0 +1,99 @@
+"""Value codecs (spar_comm/collectives/codecs.py) on NumPy, against the
+independent roundings of reference.py: what each sends, how many bytes, and
+the exactness that error feedback relies on: the value sent plus the value
+kept is the value selected, bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference import ROUNDING
+from spar_comm.collectives.codecs import BLOCK, VALUES, make_codec
+from spar_comm.collectives.pairs import PairLayout
+
+FLOATS = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+def round_trip(name, values):
+    codec = make_codec(name, values.dtype, np)
+    raw = np.zeros(codec.nbytes(values.size), np.uint8)
+    codec.encode(values, raw)
+    return codec.decode(raw.reshape(1, -1), values.size)[0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(values=st.lists(FLOATS, min_size=1, max_size=700), name=st.sampled_from(VALUES),
+       dtype=st.sampled_from(["float32", "float64"]))
+def test_each_codec_sends_what_the_reference_rounds_to_and_the_rest_is_exact(values, name, dtype):
+    v = np.array(values, dtype)
+    sent = round_trip(name, v)
+    assert sent.dtype == v.dtype
+    assert np.array_equal(sent, ROUNDING[name](v)), name
+    kept = v - sent
+    assert np.array_equal(sent + kept, v)  # Sterbenz: the difference is exact
+
+
+def test_the_values_as_the_sum_holds_them_are_exact_and_take_their_width():
+    v = np.random.default_rng(0).standard_normal(100).astype(np.float32)
+    assert not make_codec(None, np.float32, np).lossy and not make_codec("float32", np.float32, np).lossy
+    assert make_codec("float32", np.float64, np).lossy
+    assert np.array_equal(round_trip(None, v), v) and make_codec(None, np.float64, np).nbytes(10) == 80
+
+
+def test_large_values_saturate_instead_of_becoming_inf():
+    v = np.array([1e6, -7e4, 3.0e38, -3.4e38], np.float32)
+    assert np.array_equal(round_trip("float16", v), np.array([65504, -65504, 65504, -65504], np.float32))
+    assert np.isfinite(round_trip("bfloat16", v)).all()
+
+
+def test_int8_blocks_keep_each_value_within_half_a_step():
+    v = np.random.default_rng(1).standard_normal(3 * BLOCK + 17).astype(np.float32) * 1e-3
+    v[BLOCK : 2 * BLOCK] = 0  # an all-zero block stays zero
+    sent = round_trip("int8", v)
+    for start in range(0, v.size, BLOCK):
+        block = v[start : start + BLOCK]
+        step = np.abs(block).max() / 127
+        assert np.all(np.abs(sent[start : start + BLOCK] - block) <= step / 2 * (1 + 1e-6))
+    assert not sent[BLOCK : 2 * BLOCK].any()
+
+
+@pytest.mark.parametrize("name, k, value_bytes", [
+    (None, 1000, 4000), ("float16", 1000, 2000), ("bfloat16", 1000, 2000),
+    ("int8", 1000, 4 * 4 + 1000), ("int8", 256, 4 + 256), ("int8", 1, 5),
+])
+def test_bytes_on_the_wire(name, k, value_bytes):
+    codec = make_codec(name, np.float32, np)
+    assert codec.nbytes(k) == value_bytes
+    layout = PairLayout(k, np.float32, np, codec)
+    assert layout.nbytes == -(-(-(-value_bytes // 8) * 8 + 4 * k) // 8) * 8  # both parts padded to 8 bytes
+
+
+def test_a_record_written_and_read_back_holds_the_indices_and_the_decoded_values():
+    rng = np.random.default_rng(2)
+    for name in (None, *VALUES):
+        layout = PairLayout(300, np.float32, np, make_codec(name, np.float32, np))
+        buf = layout.empty(2)
+        indices = [np.sort(rng.choice(10_000, 300, replace=False)).astype(np.int32) for _ in range(2)]
+        values = [rng.standard_normal(300).astype(np.float32) for _ in range(2)]
+        sent = [layout.write(buf[r * layout.nbytes:], indices[r], values[r]) for r in range(2)]
+        got_values, got_indices = layout.read_all(buf, 2)
+        for r in range(2):
+            assert np.array_equal(got_indices[r], indices[r]) and np.array_equal(got_values[r], sent[r]), name
+            assert np.array_equal(sent[r], ROUNDING.get(name, lambda x: x)(values[r])), name
+
+
+def test_an_unknown_codec_is_refused():
+    with pytest.raises(ValueError, match="values must be one of float32, float16, bfloat16, int8, got 'int4'"):
+        make_codec("int4", np.float32, np)
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(values="int4"), "--values must be one of float32, float16, bfloat16, int8"),
+    (dict(values="int8", algorithm="gtopk"), "--values applies to topka, hitopk, hitopk_leader, not to --algorithm gtopk"),
+])
+def test_bad_value_codec_settings_are_named(changes, words):
+    from spar_comm.training.config import TrainConfig
+
+    assert words in "; ".join(TrainConfig(**changes).problems())

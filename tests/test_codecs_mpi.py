@@ -1,0 +1,82 @@
+"""Value codecs inside the allreducers (values=): the serial reference with
+the codec's rounding written independently, conservation of what was
+applied, identical bits on every rank, fewer bytes between nodes, and the
+algorithms that take no codec refused on every rank."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpi_helpers import assert_all, assert_identical_bits
+from reference import Reference
+from spar_comm import ConfigError, make_allreducer
+from spar_comm.collectives.base import CODEC_ALGORITHMS
+from spar_comm.collectives.codecs import VALUES
+from test_collectives_mpi import integer_grads
+
+COMM = MPI.COMM_WORLD
+STEPS = 3
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", CODEC_ALGORITHMS)
+@pytest.mark.parametrize("values", VALUES)
+@pytest.mark.parametrize("dtype, n, density", [("float32", 1037, 0.3), ("float64", 600, 0.05)])
+def test_matches_the_reference_with_the_codecs_rounding(topology, algorithm, values, dtype, n, density):
+    """At density 0.3 a record holds more than one int8 block."""
+    p, rank = COMM.size, COMM.rank
+    reducer = make_allreducer(algorithm, topology, n, dtype, density=density, selector="exact", values=values)
+    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, n, dtype, density, values=values)
+    for step in range(STEPS):
+        grads = integer_grads(n, step, p, n, dtype)  # sums exact in any order; 18 significant bits: 16-bit codecs round
+        out = reducer.allreduce(grads[rank])
+        assert_all(COMM, np.array_equal(out, ref.step(grads)), f"step {step}: output differs from the reference")
+        assert_all(COMM, np.array_equal(reducer.residual_full(), ref.residuals[rank]), f"step {step}: residual differs")
+        assert_identical_bits(COMM, out, "output")
+    reducer.free()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", CODEC_ALGORITHMS)
+@pytest.mark.parametrize("values", ["float16", "int8"])
+def test_what_was_applied_plus_what_is_kept_is_what_came_in(topology, algorithm, values):
+    n = 4099
+    reducer = make_allreducer(algorithm, topology, n, "float32", density=0.01, selector="exact", average=False,
+                              values=values)
+    rng = np.random.default_rng([11, COMM.rank])
+    applied, raw = np.zeros(n, np.float64), np.zeros(n, np.float64)
+    for _ in range(4):
+        grad = rng.standard_normal(n).astype(np.float32)
+        raw += grad
+        applied += reducer.allreduce(grad)
+    error = np.abs(applied + COMM.allreduce(reducer.residual_full().astype(np.float64)) - COMM.allreduce(raw)).max()
+    assert_all(COMM, error <= 1e-5 * np.abs(COMM.allreduce(raw)).max() * 4, f"conservation error {error:.3g}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_narrow_values_move_fewer_bytes_between_nodes():
+    from spar_comm import Topology
+
+    topology = Topology(ranks_per_node=1)  # every rank its own node: every pair crosses
+    sent = {}
+    for values in (None, "float16", "int8"):
+        reducer = make_allreducer("topka", topology, 100_000, "float32", density=0.01, values=values)
+        reducer.allreduce(np.random.default_rng(COMM.rank).standard_normal(100_000).astype(np.float32))
+        sent[values] = reducer.last["bytes_inter"]
+        reducer.free()
+    topology.free()
+    assert_all(COMM, sent[None] == 8 * 1000 * (COMM.size - 1) or sent[None] > sent["float16"] > sent["int8"], str(sent))
+    assert_all(COMM, sent["float16"] / sent[None] == 6 / 8 and abs(sent["int8"] / sent[None] - 5.016 / 8) < 1e-3,
+               str(sent))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm, values, words", [
+    ("gtopk", "int8", "gtopk takes no value codec; value codecs apply to topka, hitopk, hitopk_leader"),
+    ("dense", "float16", "dense takes no value codec"),
+    ("topka", "int4", "values must be one of float32, float16, bfloat16, int8"),
+])
+def test_a_codec_where_none_applies_is_refused_on_every_rank(topology, algorithm, values, words):
+    with pytest.raises(ConfigError, match=words):
+        make_allreducer(algorithm, topology, 100, "float32", density=0.1, values=values)
