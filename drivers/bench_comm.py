@@ -36,7 +36,7 @@ from spar_comm import ALGORITHMS, Topology, make_allreducer
 from spar_comm.kernels import SELECTORS
 from spar_comm.cli import comma_list, density
 from spar_comm.collectives.base import CODEC_ALGORITHMS, DTYPES
-from spar_comm.collectives.codecs import VALUES
+from spar_comm.collectives.codecs import INDICES, VALUES
 from spar_comm.consensus import raise_if_any
 from spar_comm.files import write_json
 from spar_comm.launch import run_main
@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--values", choices=VALUES,
                         help="a value codec for the pairs of topka, hitopk and hitopk_leader (the others send as "
                              "they always do; default: as summed)")
+    parser.add_argument("--indices", choices=INDICES,
+                        help="an index codec for the same pairs: auto takes int32, 16-bit gaps or a bitmap, "
+                             "whichever is smallest (default: int32)")
     parser.add_argument("--shared-buffer", action=argparse.BooleanOptionalAction, default=True,
                         help="assemble the gradient in each allreducer's .buffer (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -204,7 +207,8 @@ def main() -> int:
     }
     results = []
     if lead:
-        codec = f"; {args.values} values for {', '.join(CODEC_ALGORITHMS)}" if args.values else ""
+        codec = "".join(f"; {name} {kind}" for kind, name in (("values", args.values), ("indices", args.indices)) if name)
+        codec += f" for {', '.join(CODEC_ALGORITHMS)}" if codec else ""
         print(f"# {topology.describe()}; {args.dtype}, density {args.density}, selector {args.selector}{codec}")
         print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
         header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'select':>8} {'intra':>8} " \
@@ -215,7 +219,8 @@ def main() -> int:
         grad = topology.memory.xp.asarray(rng.standard_normal(size).astype(args.dtype))
         reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector,
                                     shared_buffer=args.shared_buffer,
-                                    values=args.values if a in CODEC_ALGORITHMS else None) for a in args.algorithms]
+                                    **(dict(values=args.values, indices=args.indices) if a in CODEC_ALGORITHMS else {}))
+                    for a in args.algorithms]
         measured = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
         if args.link_counters:
             sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]

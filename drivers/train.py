@@ -30,7 +30,7 @@ from spar_comm.errors import ConfigError, SparCommError  # noqa: E402
 from spar_comm.files import BadFileError  # noqa: E402
 from spar_comm.topology import ENV_RANKS_PER_NODE  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
-from spar_comm.collectives.codecs import VALUES  # noqa: E402
+from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
 from spar_comm.training.config import DATASETS, DENSITY_SCHEDULES, DEVICES, MODELS, SCHEDULES  # noqa: E402
 
 RANK = MPI.COMM_WORLD.rank
@@ -63,6 +63,8 @@ def make_parser() -> RankZeroParser:
     comm.add_argument("--density", type=float, default=DEFAULTS.density, help="fraction of gradient entries sent")
     comm.add_argument("--values", choices=VALUES, help="the values of the pairs on the wire (topka, hitopk, "
                       "hitopk_leader; what they round away stays in the residual; default: as summed)")
+    comm.add_argument("--indices", choices=INDICES, help="the positions of the pairs on the wire: auto takes int32, "
+                      "16-bit gaps or a bitmap, whichever is smallest (default: int32)")
     comm.add_argument("--ranks-per-node", type=int,
                       help="emulate nodes of this many consecutive ranks; 0: real nodes, found by shared memory "
                       f"(default: ${ENV_RANKS_PER_NODE}, else 2 when the job runs on one host, else real nodes)")

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference import ROUNDING
-from spar_comm.collectives.codecs import BLOCK, VALUES, make_codec
+from spar_comm.collectives.codecs import (BLOCK, VALUES, BitmapIndices, Delta16Indices, Int32Indices, make_codec,
+                                          make_index_codec)
 from spar_comm.collectives.pairs import PairLayout
 
 FLOATS = st.floats(allow_nan=False, allow_infinity=False, width=32)
@@ -97,3 +98,33 @@ def test_bad_value_codec_settings_are_named(changes, words):
     from spar_comm.training.config import TrainConfig
 
     assert words in "; ".join(TrainConfig(**changes).problems())
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), span=st.integers(1, 300_000), codec=st.sampled_from([Int32Indices, Delta16Indices, BitmapIndices]))
+def test_index_codecs_give_back_every_position(data, span, codec):
+    k = data.draw(st.integers(1, min(span, 400)))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    records = [np.sort(rng.choice(span, k, replace=False)) for _ in range(3)]
+    if data.draw(st.booleans()):  # the ends of the span: the longest gaps there are
+        records[0] = np.unique(np.concatenate([[0, span - 1], records[0]]))[:k] if k >= 2 else np.array([span - 1])
+        records[0] = np.sort(records[0])
+    c = codec(k, span, np)
+    raw = np.zeros((3, c.nbytes() + 3), np.uint8)
+    for r, positions in enumerate(records):
+        c.encode(positions, raw[r])
+    got = c.decode(raw)
+    assert got.shape == (3, k) and all(np.array_equal(got[r], records[r]) for r in range(3))
+
+
+@pytest.mark.parametrize("k, span, chosen, nbytes", [
+    (1000, 1 << 20, "delta16", 2 * (1000 + (1 << 20) // 65535)),  # density 0.001: 16-bit gaps
+    (300, 1000, "bitmap", 125),                                    # density 0.3: a bit a position
+    (2, 1 << 24, "int32", 8),                                      # two positions far apart: 4 bytes each
+])
+def test_auto_takes_the_smallest(k, span, chosen, nbytes):
+    codec = make_index_codec("auto", k, span, np)
+    assert codec.name == chosen and codec.nbytes() == nbytes
+    with pytest.raises(ValueError, match="indices must be one of int32, auto"):
+        make_index_codec("varint", k, span, np)

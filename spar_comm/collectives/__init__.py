@@ -44,6 +44,7 @@ def make_allreducer(
     selector_options: Dict[str, Any] | None = None,
     shared_buffer: bool = False,
     values: str | None = None,
+    indices: str | None = None,
 ) -> Allreducer:
     """An allreducer of ``algorithm`` for flat gradients of ``size`` elements.
 
@@ -55,7 +56,8 @@ def make_allreducer(
     the algorithm can read it without a copy (see ``Allreducer.buffer``).
     ``values`` narrows the values of the (index, value) pairs on the wire
     (``codecs.VALUES``; topka, hitopk and hitopk_leader), what they round
-    away kept in the residual.
+    away kept in the residual. ``indices="auto"`` sends their positions as
+    int32, 16-bit gaps or a bitmap, whichever is smallest (``codecs.INDICES``).
     """
     known = isinstance(algorithm, str) and (algorithm == AUTO or algorithm in ALGORITHMS)
     problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join([*ALGORITHMS, AUTO])}"
@@ -67,4 +69,4 @@ def make_allreducer(
         algorithm = choose(topology, size, dtype, density, selector)
     cls = ALGORITHMS[algorithm]
     return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer,
-               values)
+               values, indices)

@@ -30,7 +30,8 @@ from ..launch import abort_job
 from ..memory import HostMemory
 from ..topology import Topology
 from .channel import Channel
-from .codecs import VALUES, make_codec
+from .codecs import INDICES, VALUES, make_codec, make_index_codec
+from .pairs import PairExchange
 from .shm import MessageReduceScatter, node_reduce_scatter
 
 #: Gradient dtypes; NumPy knows bfloat16 through ml_dtypes.
@@ -120,18 +121,20 @@ class Allreducer:
         selector_options: Optional[Dict[str, Any]] = None,
         shared_buffer: bool = False,
         values: Optional[str] = None,
+        indices: Optional[str] = None,
     ):
         world = topology.world
         problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse,
                                   topology.memory)
         if problem is None and not isinstance(shared_buffer, bool):
             problem = f"shared_buffer must be True or False, got {shared_buffer!r}"
-        if problem is None and values is not None:
-            if values not in VALUES:
-                problem = f"values must be one of {', '.join(VALUES)}, got {values!r}"
-            elif not self.codecs:
-                problem = (f"values={values!r}: {self.name} takes no value codec; "
-                           f"value codecs apply to {', '.join(CODEC_ALGORITHMS)}")
+        for setting, given, known in (("values", values, VALUES), ("indices", indices, INDICES)):
+            if problem is None and given is not None:
+                if given not in known:
+                    problem = f"{setting} must be one of {', '.join(known)}, got {given!r}"
+                elif not self.codecs:
+                    problem = (f"{setting}={given!r}: {self.name} takes no codec; "
+                               f"codecs apply to {', '.join(CODEC_ALGORITHMS)}")
         raise_if_any(world, problem)
         require_same(
             world,
@@ -147,6 +150,7 @@ class Allreducer:
                 selector_options=repr(sorted((selector_options or {}).items())),
                 shared_buffer=shared_buffer,
                 values=values,
+                indices=indices,
             ),
         )
         self.topology = topology
@@ -164,6 +168,7 @@ class Allreducer:
         self.average = bool(average)
         self.shared_buffer = shared_buffer
         self.codec = make_codec(values, self.dtype, self.xp)
+        self.index_codec = indices
         self._buffer: Any = None  # see ``buffer``
         self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_reduce_scatter``)
         self._code = np.zeros(1, dtype=np.int32)
@@ -189,6 +194,11 @@ class Allreducer:
         reduce_scatter = node_reduce_scatter(local, counts, self.dtype, shares_memory, in_place)
         self._buffer = reduce_scatter.buffer  # None: plain memory, made when asked for
         return reduce_scatter
+
+    def pair_exchange(self, channel: Channel, k: int, span: int) -> PairExchange:
+        """The exchange of k pairs a rank over ``channel``, positions within a span
+        of ``span``, through this allreducer's value and index codecs."""
+        return PairExchange(channel, k, self.dtype, self.codec, make_index_codec(self.index_codec, k, span, self.xp))
 
     def new_selector(self) -> kernels.Selector:
         """One selector per selection site, since a selector may keep state."""

@@ -1,4 +1,4 @@
-"""Value codecs: how the values of the (index, value) pairs look on the wire.
+"""Codecs: how the values and the indices of the (index, value) pairs look on the wire.
 
 A codec turns k values of an allreducer's sum dtype into bytes and back.
 Without one the values travel as they are (float32, or float64), the bits
@@ -17,6 +17,19 @@ the algorithms always sent. The others narrow them:
 An allreducer returns what a lossy codec rounded away to its residual: the
 residual keeps ``value - decoded(value)`` where a selected value was sent,
 so error feedback conserves exactly what was applied.
+
+Index codecs are lossless. The k ascending positions of a record within a
+span of n (a shard, or the vector) travel as:
+
+* ``int32``: 4 bytes each;
+* ``delta16``: the gaps between consecutive positions in 16 bits; a gap of
+  65535 or more is broken by escapes (65535: move on, emit nothing), and the
+  record has room for the most escapes a span of n can need, so its size
+  depends on k and n alone;
+* ``bitmap``: one bit per position of the span.
+
+``auto`` takes whichever is smallest for k and n, which every rank of the
+exchange knows, so all agree without a message.
 """
 from __future__ import annotations
 
@@ -25,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 
 VALUES = ("float32", "float16", "bfloat16", "int8")
+INDICES = ("int32", "auto")
 #: The values of one int8 block share its scale.
 BLOCK = 256
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -138,3 +152,80 @@ def make_codec(name: Optional[str], dtype: Any, xp: Any) -> Exact:
     if name == "int8":
         return Int8Blocks(dtype, xp)
     raise ValueError(f"values must be one of {', '.join(VALUES)}, got {name!r}")
+
+
+class Int32Indices:
+    """Positions as int32."""
+
+    name = "int32"
+
+    def __init__(self, k: int, span: int, xp: Any):
+        self.k, self.span, self.xp = k, span, xp
+
+    def nbytes(self) -> int:
+        return 4 * self.k
+
+    def encode(self, indices: Any, raw: Any) -> None:
+        raw[: self.nbytes()].view(np.int32)[...] = indices
+
+    def decode(self, raw: Any) -> Any:
+        """The positions of every record of ``raw`` (records x at least nbytes() bytes), as (records, k)."""
+        return self.xp.ascontiguousarray(raw[:, : self.nbytes()]).view(np.int32)
+
+
+class Delta16Indices(Int32Indices):
+    """Gaps in 16 bits, with escapes for the long ones."""
+
+    name = "delta16"
+    ESCAPE = 0xFFFF
+
+    def entries(self) -> int:
+        return self.k + self.span // self.ESCAPE  # the k gaps, and the most escapes a span of n can need
+
+    def nbytes(self) -> int:
+        return 2 * self.entries()
+
+    def encode(self, indices: Any, raw: Any) -> None:
+        xp = self.xp
+        positions = indices.astype(np.int64)
+        gaps = xp.diff(positions, prepend=xp.zeros(1, dtype=np.int64))
+        escapes = gaps // self.ESCAPE
+        slots = xp.cumsum(escapes + 1) - 1  # where each gap's remainder goes, after its escapes
+        stream = raw[: self.nbytes()].view(np.uint16)
+        stream[...] = self.ESCAPE  # escapes, and the unused tail
+        stream[slots] = (gaps - escapes * self.ESCAPE).astype(np.uint16)
+
+    def decode(self, raw: Any) -> Any:
+        xp = self.xp
+        stream = xp.ascontiguousarray(raw[:, : self.nbytes()]).view(np.uint16)
+        positions = xp.cumsum(stream.astype(np.int64), axis=1)
+        return positions[stream != self.ESCAPE].reshape(stream.shape[0], self.k).astype(np.int32)
+
+
+class BitmapIndices(Int32Indices):
+    """One bit per position of the span."""
+
+    name = "bitmap"
+
+    def nbytes(self) -> int:
+        return -(-self.span // 8)
+
+    def encode(self, indices: Any, raw: Any) -> None:
+        bits = self.xp.zeros(8 * self.nbytes(), dtype=np.uint8)
+        bits[indices] = 1
+        raw[: self.nbytes()] = self.xp.packbits(bits)
+
+    def decode(self, raw: Any) -> Any:
+        xp = self.xp
+        bits = xp.unpackbits(xp.ascontiguousarray(raw[:, : self.nbytes()]), axis=1)
+        return xp.nonzero(bits)[1].reshape(raw.shape[0], self.k).astype(np.int32)
+
+
+def make_index_codec(name: Optional[str], k: int, span: int, xp: Any) -> Int32Indices:
+    """The index codec ``name`` (one of ``INDICES``, None meaning int32) for k positions in a span of ``span``."""
+    if name is None or name == "int32":
+        return Int32Indices(k, span, xp)
+    if name == "auto":
+        return min((cls(k, span, xp) for cls in (Int32Indices, Delta16Indices, BitmapIndices)),
+                   key=lambda codec: codec.nbytes())  # ties to the earlier, simpler one
+    raise ValueError(f"indices must be one of {', '.join(INDICES)}, got {name!r}")

@@ -20,7 +20,7 @@ from ..kernels import sorted_distinct
 from ..topology import shard_bounds
 from .base import Allreducer, selection_size
 from .channel import displacements
-from .pairs import PairExchange, PairLayout
+from .pairs import PairLayout
 
 
 class _Site:
@@ -30,7 +30,7 @@ class _Site:
         lo, hi = shard_bounds(owner.size, owner.topology.shards_per_node, j)
         self.lo, self.hi = lo - owner.lo, hi - owner.lo  # within my region
         self.k = selection_size(owner.density, hi - lo)
-        self.exchange = PairExchange(rail, self.k, owner.dtype, owner.codec)
+        self.exchange = owner.pair_exchange(rail, self.k, hi - lo)
         self.selector = owner.new_selector()
 
 

@@ -12,7 +12,6 @@ from typing import Any
 from mpi4py import MPI
 
 from .base import Allreducer, selection_size
-from .pairs import PairExchange
 
 
 class HiTopKLeaderAllreducer(Allreducer):
@@ -28,7 +27,7 @@ class HiTopKLeaderAllreducer(Allreducer):
             self.k = selection_size(self.density, self.size)
             self.node_sum = self.xp.empty(self.size, dtype=self.dtype)
             leaders = self.channel(topology.leader, spans_nodes=True)
-            self.exchange = PairExchange(leaders, self.k, self.dtype, self.codec)
+            self.exchange = self.pair_exchange(leaders, self.k, self.size)
             self.selector = self.new_selector()
             self.keep_residual(0, self.size)
 

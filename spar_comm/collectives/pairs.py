@@ -1,7 +1,8 @@
 """(index, value) pairs packed into one byte buffer, so that one collective
-moves both. A record for k pairs is ``[k values | pad | k int32 indices | pad]``,
+moves both. A record for k pairs is ``[k values | pad | k indices | pad]``,
 padded to 8 bytes so that every view inside it is aligned. The values are
-written by a value codec (``codecs.py``): as the sum holds them, or narrower.
+written by a value codec (``codecs.py``): as the sum holds them, or narrower;
+the indices by an index codec: int32 positions, or fewer bytes.
 
 Buffers are arrays of the channel's memory (host or GPU); the views are taken
 on the whole contiguous buffer, which NumPy and CuPy both allow.
@@ -13,7 +14,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from ..kernels import scatter_add
-from .codecs import Exact
+from .codecs import Exact, Int32Indices
 
 INDEX = np.dtype(np.int32)
 
@@ -24,15 +25,18 @@ def _up8(nbytes: int) -> int:
 
 class PairLayout:
     """The byte layout of one record of ``k`` pairs of ``dtype`` values, written
-    by ``codec`` (default: as they are, which ``views`` and ``all_views`` need)."""
+    by ``codec`` and ``indices`` (default: values as they are and int32
+    positions, which ``views`` and ``all_views`` need)."""
 
-    def __init__(self, k: int, dtype: np.dtype, xp: Any = np, codec: Any = None):
+    def __init__(self, k: int, dtype: np.dtype, xp: Any = np, codec: Any = None, indices: Any = None):
         self.k = k
         self.dtype = np.dtype(dtype)
         self.xp = xp
         self.codec = codec if codec is not None else Exact(self.dtype, xp)
+        self.indices = indices if indices is not None else Int32Indices(k, 0, xp)
         self.index_offset = _up8(self.codec.nbytes(k))
-        self.nbytes = _up8(self.index_offset + k * INDEX.itemsize)
+        self.nbytes = _up8(self.index_offset + self.indices.nbytes())
+        self.plain_indices = type(self.indices) is Int32Indices
 
     def empty(self, records: int = 1) -> Any:
         """A zeroed buffer for ``records`` records (zeroed: padding is sent too)."""
@@ -46,37 +50,34 @@ class PairLayout:
     def write(self, buf: Any, indices: Any, values: Any) -> Any:
         """Encode one record into ``buf``; return the values as receivers decode them."""
         self.codec.encode(values, buf[: self.index_offset])
-        buf[self.index_offset : self.index_offset + self.k * INDEX.itemsize].view(INDEX)[...] = indices
+        self.indices.encode(indices, buf[self.index_offset : self.nbytes])
         if not self.codec.lossy:
             return values
         return self.codec.decode(buf[: self.nbytes].reshape(1, self.nbytes), self.k)[0]
 
     def read_all(self, buf: Any, records: int) -> Tuple[Any, Any]:
         """(values, indices) of every record, each (records, k), values decoded."""
-        if not self.codec.lossy:
+        if not self.codec.lossy and self.plain_indices:
             return self.all_views(buf, records)
-        indices = self.all_views_of_indices(buf, records)
-        return self.codec.decode(buf[: records * self.nbytes].reshape(records, self.nbytes), self.k), indices
-
-    def all_views_of_indices(self, buf: Any, records: int) -> Any:
-        whole = buf[: records * self.nbytes]
-        first = self.index_offset // INDEX.itemsize
-        return whole.view(INDEX).reshape(records, self.nbytes // INDEX.itemsize)[:, first : first + self.k]
+        rows = buf[: records * self.nbytes].reshape(records, self.nbytes)
+        return self.codec.decode(rows, self.k), self.indices.decode(rows[:, self.index_offset :])
 
     def all_views(self, buf: Any, records: int) -> Tuple[Any, Any]:
         """(values, indices) of every record, each of shape (records, k), in record order."""
         whole = buf[: records * self.nbytes]
         values = whole.view(self.dtype).reshape(records, self.nbytes // self.dtype.itemsize)
-        return values[:, : self.k], self.all_views_of_indices(buf, records)
+        indices = whole.view(INDEX).reshape(records, self.nbytes // INDEX.itemsize)
+        first = self.index_offset // INDEX.itemsize
+        return values[:, : self.k], indices[:, first : first + self.k]
 
 
 class PairExchange:
     """Allgather of k (index, value) pairs from every rank of a channel, summed
     into a dense vector in rank order (so every rank gets the same bits)."""
 
-    def __init__(self, channel, k: int, dtype: np.dtype, codec: Any = None):
+    def __init__(self, channel, k: int, dtype: np.dtype, codec: Any = None, indices: Any = None):
         self.channel = channel
-        self.layout = PairLayout(k, dtype, channel.memory.xp, codec)
+        self.layout = PairLayout(k, dtype, channel.memory.xp, codec, indices)
         self.sendbuf = self.layout.empty()
         self.recvbuf = self.layout.empty(channel.size)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Allreducer, selection_size
-from .pairs import PairExchange
 
 
 class TopKAllgatherAllreducer(Allreducer):
@@ -21,7 +20,7 @@ class TopKAllgatherAllreducer(Allreducer):
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
         self.k = selection_size(self.density, self.size)
-        self.exchange = PairExchange(self.world, self.k, self.dtype, self.codec)
+        self.exchange = self.pair_exchange(self.world, self.k, self.size)
         self.selector = self.new_selector()
         self.keep_residual(0, self.size)
 

@@ -134,19 +134,19 @@ class ScheduledAllreduce:
     """
 
     def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: Fixed,
-                 values: Optional[str] = None):
+                 codecs: Optional[dict] = None):
         self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
-        self.values = values
+        self.codecs = codecs
         known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # auto: not known before it is built
         self.density = schedule(0) if known_sparse else schedule.target
-        self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector, values)
+        self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector, codecs)
         self.algorithm = self.current.reducer.name
 
     def at(self, step: int) -> FusedAllreduce:
         density = self.schedule(step) if self.current.sparse else self.density
         if density != self.density:
             span, values = self.current.residual()
-            fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector, self.values)
+            fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector, self.codecs)
             fresh.load_residual(span, values)
             self.current.reducer.free()
             self.current, self.density = fresh, density

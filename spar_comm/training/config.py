@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..collectives.base import CODEC_ALGORITHMS
-from ..collectives.codecs import VALUES
+from ..collectives.codecs import INDICES, VALUES
 from ..memory import DEVICES  # where a run computes: cpu, gpu, or gpu-simulator (the GPU path on the CPU)
 from .density import SCHEDULES as DENSITY_SCHEDULES
 
@@ -58,6 +58,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"
     values: Optional[str] = None  # a value codec for the pairs on the wire (collectives/codecs.py)
+    indices: Optional[str] = None  # an index codec for them
     device: str = "cpu"
     trace: Optional[str] = None
     trace_every: int = 10
@@ -90,10 +91,11 @@ class TrainConfig:
         if not 0 <= self.accordion_high <= 1 or (self.accordion_high and self.accordion_high < self.density):
             found.append(f"--accordion-high must be in [--density, 1] (or 0: ten times --density), "
                          f"got {self.accordion_high}")
-        if self.values is not None and self.values not in VALUES:
-            found.append(f"--values must be one of {', '.join(VALUES)}, got {self.values!r}")
-        elif self.values is not None and self.algorithm not in (*CODEC_ALGORITHMS, "auto"):
-            found.append(f"--values applies to {', '.join(CODEC_ALGORITHMS)}, not to --algorithm {self.algorithm}")
+        for flag, given, known in (("--values", self.values, VALUES), ("--indices", self.indices, INDICES)):
+            if given is not None and given not in known:
+                found.append(f"{flag} must be one of {', '.join(known)}, got {given!r}")
+            elif given is not None and self.algorithm not in (*CODEC_ALGORITHMS, "auto"):
+                found.append(f"{flag} applies to {', '.join(CODEC_ALGORITHMS)}, not to --algorithm {self.algorithm}")
         if not self.accordion_eta > 0:
             found.append(f"--accordion-eta must be > 0, got {self.accordion_eta}")
         if self.momentum_masking and not self.momentum_correction:

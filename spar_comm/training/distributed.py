@@ -8,7 +8,7 @@ DLPack), so a gradient never leaves the device but for what MPI must move.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import array_api_compat
 import numpy as np
@@ -41,8 +41,9 @@ class Group:
         self._flag = np.zeros(1, dtype=np.int32)
 
     def allreducer(self, algorithm: str, size: int, dtype: str, density: float, selector: str,
-                   values: Optional[str] = None) -> "FusedAllreduce":
-        return FusedAllreduce(make_allreducer(algorithm, self.topology, size, dtype, density, selector, values=values))
+                   codecs: Optional[dict] = None) -> "FusedAllreduce":
+        """``codecs``: the value and index codecs (``values=``, ``indices=``), if any."""
+        return FusedAllreduce(make_allreducer(algorithm, self.topology, size, dtype, density, selector, **(codecs or {})))
 
     def broadcast(self, x: Any, xp: Any) -> None:
         """Overwrite ``x`` in place with rank 0's bits."""

@@ -124,7 +124,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
                             warmup_start=config.density_warmup_start, warmup_epochs=config.density_warmup,
                             high=config.accordion_high, eta=config.accordion_eta)
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
-                                   config.values)
+                                   dict(values=config.values, indices=config.indices))
     aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
 
@@ -138,8 +138,9 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
     if allreduce.sparse:  # say what the schedule sends beside --density
         method += density.describe()
-    if config.values:
-        method += f", {config.values} values"
+    if config.values or config.indices:
+        method += "".join(f", {name} {kind}" for kind, name in (("values", config.values), ("indices", config.indices))
+                          if name)
     setup = (
         f"{method}, {model_name} "
         f"({model.layout.size:,} parameters) on {data.name}, {topology.describe().split(';')[0]}"
