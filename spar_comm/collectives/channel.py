@@ -23,7 +23,6 @@ butterflies cross nodes in only some steps, so the links carry less.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
