@@ -122,8 +122,8 @@ def cells(args: argparse.Namespace) -> List[Dict]:
 
 def run_cell(base: TrainConfig, cell: Dict, comm: MPI.Comm) -> Dict:
     changes = dict(algorithm=cell["algorithm"], density=cell["density"], seed=cell["seed"])
-    if cell["algorithm"] == DENSE:  # dense sends no pairs: a --workload value codec is not for it
-        changes["values"] = None
+    if cell["algorithm"] == DENSE:  # dense sends no pairs: a --workload codec is not for it
+        changes.update(values=None, indices=None)
     if cell["aids"]:
         changes.update(aid_changes(cell["aids"], base))
     summary = train(dataclasses.replace(base, **changes), comm)
