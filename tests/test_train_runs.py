@@ -132,6 +132,25 @@ def test_an_accordion_run_switches_density_and_resumes_mid_epoch_to_the_same_bit
     assert by_epoch[2] == {0.01}  # the stop at step 50 falls inside the first epoch at the target
 
 
+def test_index_codecs_are_lossless_and_value_codecs_resume_to_the_same_bits(tmp_path):
+    """--indices auto gives the bits of int32 positions; an int8 run stopped and
+    resumed gives the bits of one that never stopped (the rounding lives in
+    the residual, which the checkpoint keeps)."""
+    common = [*FAST, "--steps", "40", "--ranks-per-node", "1", "--algorithm", "hitopk", "--density", "0.05",
+              "--values", "int8", "--trace", ""]
+    plain = run_train(2, [*common, "--checkpoint", str(tmp_path / "plain.h5")])
+    auto = run_train(2, [*common, "--indices", "auto", "--checkpoint", str(tmp_path / "auto.h5")])
+    assert plain.returncode == 0 and auto.returncode == 0, plain.stderr + auto.stderr
+    assert "int8 values, auto indices" in auto.stdout
+    first = run_train(2, [*common, "--checkpoint", str(tmp_path / "part.h5"), "--stop-after", "17"])
+    second = run_train(2, [*common, "--checkpoint", str(tmp_path / "part.h5"), "--resume"])
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    a, b, c = (datasets(tmp_path / name) for name in ("plain.h5", "auto.h5", "part.h5"))
+    assert sorted(a) == sorted(b) == sorted(c)
+    for name in a:
+        assert np.array_equal(a[name], b[name]) and np.array_equal(a[name], c[name]), name
+
+
 def test_resume_refuses_changed_settings(tmp_path):
     ckpt = str(tmp_path / "c.h5")
     assert run_train(2, [*FAST, "--steps", "5", "--trace", "", "--checkpoint", ckpt]).returncode == 0
