@@ -38,7 +38,7 @@ from .shm import MessageReduceScatter, node_reduce_scatter
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: Indices travel as int32 positions within a shard.
 MAX_SHARD = 2**31 - 1
-#: The algorithms whose pairs may travel through a value codec.
+#: The algorithms whose pairs may travel through codecs (``values=``, ``indices=``).
 CODEC_ALGORITHMS = ("topka", "hitopk", "hitopk_leader")
 
 
@@ -106,7 +106,7 @@ class Allreducer:
     #: Whether the result is the sum (or mean) over ranks; ``adasum``'s is not,
     #: so ``auto`` never swaps it in for another.
     sums = True
-    #: Whether its (index, value) pairs may travel through a value codec (``values=``).
+    #: Whether its (index, value) pairs may travel through codecs (``values=``, ``indices=``).
     codecs = False
 
     def __init__(
@@ -255,8 +255,10 @@ class Allreducer:
     def keep_rounding(self, acc: Any, indices: Any, values: Any, sent: Any) -> None:
         """Return what a lossy codec rounded away to the residual ``acc`` (which
         ``select`` cleared at ``indices``), so that the sent values plus the
-        residual are exactly the selected values. The difference is exact:
-        a value and its rounding lie within a factor of two (Sterbenz)."""
+        residual are exactly the selected values. The difference is exact,
+        since a value and its rounding lie within a factor of two (Sterbenz),
+        except where float16 saturates a value beyond 65504: that difference
+        is rounded like any sum."""
         if self.codec.lossy and self.error_feedback:
             acc[indices] = values - sent
 
