@@ -200,6 +200,8 @@ def main() -> int:
         "dtype": args.dtype,
         "density": args.density,
         "selector": args.selector,
+        "values": args.values,
+        "indices": args.indices,
         "warmup": args.warmup,
         "repeat": args.repeat,
         "shared_buffer": args.shared_buffer,

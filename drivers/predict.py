@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 from spar_comm import costmodel
 from spar_comm.cli import density, positive_float, positive_int
+from spar_comm.collectives.codecs import INDICES, VALUES
 from spar_comm.costmodel import CalibrationError, Cluster, Machine
 from spar_comm.costmodel.calibrate import measurements, read
 from spar_comm.kernels import SELECTORS
@@ -78,7 +79,8 @@ def machine_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Mac
 def predict(args: argparse.Namespace, machine: Machine, **override) -> Dict[str, float]:
     point = {"nodes": args.nodes, "size": args.size, "density": args.density, **override}
     cluster = Cluster(point["nodes"], args.ranks_per_node)
-    return costmodel.predict(cluster, point["size"], machine, args.dtype, point["density"], args.selector)
+    return costmodel.predict(cluster, point["size"], machine, args.dtype, point["density"], args.selector,
+                             algorithms=list(costmodel.STEPS), values=args.values, indices=args.indices)
 
 
 def sweep_values(args: argparse.Namespace) -> List[float]:
@@ -158,7 +160,8 @@ def title(args) -> str:
         "density": f"density {args.density:g}" if args.sweep != "density" else None,
     }
     links = f"inter {args.links[0]:.4g} Gbit/s, intra {args.links[1]:.4g} Gbit/s"
-    return ", ".join(p for p in parts.values() if p) + f", {args.dtype}, {args.selector}; {links}"
+    codecs = "".join(f", {name} {kind}" for kind, name in (("values", args.values), ("indices", args.indices)) if name)
+    return ", ".join(p for p in parts.values() if p) + f", {args.dtype}, {args.selector}{codecs}; {links}"
 
 
 def print_point(args, machine: Machine, times: Dict[str, float]) -> None:
@@ -167,7 +170,8 @@ def print_point(args, machine: Machine, times: Dict[str, float]) -> None:
     print(f"{'algorithm':<14} {'ms/step':>10} {'vs dense':>8} {'select':>8} {'intra':>8} {'inter':>8} {'local':>8}")
     cluster = Cluster(args.nodes, args.ranks_per_node)
     for name, seconds in times.items():
-        parts = costmodel.breakdown(name, cluster, args.size, machine, args.dtype, args.density, args.selector)
+        parts = costmodel.breakdown(name, cluster, args.size, machine, args.dtype, args.density, args.selector,
+                                    values=args.values, indices=args.indices)
         cells = " ".join(f"{parts[p] * 1e3:8.3f}" for p in ("select", "intra", "inter", "local"))
         mark = "  <- fastest" if name == best else ""
         print(f"{name:<14} {seconds * 1e3:10.3f} {times['dense'] / seconds:7.2f}x {cells}{mark}")
@@ -201,6 +205,8 @@ def parse_predict(argv: Optional[List[str]]) -> tuple:
     parser.add_argument("--density", type=density, default=0.001, help="fraction selected (default: %(default)s)")
     parser.add_argument("--selector", default="mstopk", choices=sorted(SELECTORS), help="default: %(default)s")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--values", choices=VALUES, help="a value codec for the pairs of topka, hitopk, hitopk_leader")
+    parser.add_argument("--indices", choices=INDICES, help="an index codec for the same pairs")
     parser.add_argument("--preset", default="gpu", choices=sorted(costmodel.PRESETS),
                         help="figures without --calibration, and those a calibration lacks (default: %(default)s)")
     parser.add_argument("--calibration", nargs="+", metavar="FILE",

@@ -135,6 +135,20 @@ def test_step_terms_follow_the_bytes_of_the_implementation():
     assert terms["beta_inter"] == 336 + 4  # the pairs, and the gradient check's 4 bytes
 
 
+def test_codecs_price_the_bytes_bench_comm_measured():
+    """docs/results/codecs.md: topka at 4 ranks as 2 x 2, 2^20, density 0.001 sent
+    25,200 bytes a rank between nodes as summed and 9,624 with int8 values and
+    automatic indices: three records of 8,400 and of 3,208 bytes."""
+    from spar_comm.costmodel.algorithms import Shape
+
+    plain, coded = (Shape(Cluster(2, 2), 1 << 20, 4, 0.001, "exact", *codecs) for codecs in ((), ("int8", "auto")))
+    assert (plain.wire(1049, 1 << 20), coded.wire(1049, 1 << 20)) == (25_200 // 3, 9_624 // 3)
+    as_summed = step_terms("topka", Cluster(2, 2), 1 << 20, density=0.001)
+    narrowed = step_terms("topka", Cluster(2, 2), 1 << 20, density=0.001, values="int8", indices="auto")
+    assert 2.6 < as_summed["beta_inter"] / narrowed["beta_inter"] < 2.62
+    assert predict(Cluster(2, 2), 1 << 20, CPU, values="int8").keys() == {"topka", "hitopk", "hitopk_leader"}
+
+
 def test_a_real_cluster_pays_no_contention_and_no_host_network_work():
     for algorithm in ALGORITHMS:
         terms = step_terms(algorithm, Cluster(4, 2), 1 << 20)

@@ -66,7 +66,7 @@ def make_allreducer(
     if algorithm == AUTO:  # collective: every rank reaches it, and picks the same
         from ..costmodel.auto import choose  # the cost model builds on this package
 
-        algorithm = choose(topology, size, dtype, density, selector)
+        algorithm = choose(topology, size, dtype, density, selector, values=values, indices=indices)
     cls = ALGORITHMS[algorithm]
     return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer,
                values, indices)

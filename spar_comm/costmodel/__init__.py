@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional
 
 from ..collectives import ALGORITHMS
+from ..collectives.base import CODEC_ALGORITHMS
 from .algorithms import STEPS, step_terms
 from .calibrate import CalibrationError, Measurement, fit, load, relative_errors, save
 from .machine import CPU, GPU, PRESETS, Cluster, Machine, beta_to_gbps, gbps_to_beta
@@ -25,20 +26,24 @@ PARTS = {"select": ("select",), "intra": ("alpha_intra", "beta_intra"),
 
 
 def predict(cluster: Cluster, size: int, machine: Machine, dtype: str = "float32", density: float = 0.001,
-            selector: str = "mstopk", algorithms: Optional[Iterable[str]] = None) -> Dict[str, float]:
-    """Predicted seconds per allreduce call of each algorithm (default: all)."""
+            selector: str = "mstopk", algorithms: Optional[Iterable[str]] = None, values: Optional[str] = None,
+            indices: Optional[str] = None) -> Dict[str, float]:
+    """Predicted seconds per allreduce call of each algorithm (default: all; with
+    ``values`` or ``indices``, the codecs' pairs, all that take codecs)."""
     if selector not in machine.select:
         raise ValueError(f"no selection figure for selector {selector!r}; known: {', '.join(sorted(machine.select))}")
+    default = CODEC_ALGORITHMS if values or indices else STEPS
     return {
-        name: machine.seconds(step_terms(name, cluster, size, dtype, density, selector))
-        for name in (algorithms or STEPS)
+        name: machine.seconds(step_terms(name, cluster, size, dtype, density, selector, values, indices))
+        for name in (algorithms or default)
     }
 
 
 def breakdown(algorithm: str, cluster: Cluster, size: int, machine: Machine, dtype: str = "float32",
-              density: float = 0.001, selector: str = "mstopk") -> Dict[str, float]:
+              density: float = 0.001, selector: str = "mstopk", values: Optional[str] = None,
+              indices: Optional[str] = None) -> Dict[str, float]:
     """Seconds of one call split into select, intra, inter and local work."""
-    terms = step_terms(algorithm, cluster, size, dtype, density, selector)
+    terms = step_terms(algorithm, cluster, size, dtype, density, selector, values, indices)
     return {
         part: machine.seconds({t: a for t, a in terms.items() if t.startswith(prefixes)})
         for part, prefixes in PARTS.items()

@@ -16,9 +16,13 @@ real cluster ``host_inter`` is dropped (see ``machine.py``).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
+
+import numpy as np
 
 from ..collectives.base import selection_size, sum_dtype
+from ..collectives.codecs import make_codec, make_index_codec
+from ..collectives.pairs import PairLayout
 from . import mpi
 from .machine import Cluster
 from .mpi import Span, Terms
@@ -33,11 +37,14 @@ def pair_bytes(k: int, itemsize: int) -> int:
 
 
 class Shape:
-    """One allreduce problem: the cluster, the vector and the selection."""
+    """One allreduce problem: the cluster, the vector, the selection, and the
+    codecs of the pairs that cross nodes (``values``, ``indices``)."""
 
-    def __init__(self, cluster: Cluster, size: int, itemsize: int, density: float, selector: str):
+    def __init__(self, cluster: Cluster, size: int, itemsize: int, density: float, selector: str,
+                 values: Optional[str] = None, indices: Optional[str] = None):
         self.nodes, self.g, self.p = cluster.nodes, cluster.ranks_per_node, cluster.ranks
         self.n, self.s = size, itemsize
+        self.values, self.indices = values, indices
         self.nbytes = size * itemsize
         self.density, self.selector = density, selector
         self.world = Span(self.nodes, self.g)
@@ -52,6 +59,14 @@ class Shape:
     def pairs(self, k: int) -> int:
         return pair_bytes(k, self.s)
 
+    def wire(self, k: int, span: int) -> int:
+        """Bytes of a record of k pairs within ``span`` through the codecs (``pairs`` without them)."""
+        if self.values is None and self.indices is None:
+            return self.pairs(k)
+        dtype = np.dtype(f"f{self.s}")
+        return PairLayout(k, dtype, np, make_codec(self.values, dtype, np),
+                          make_index_codec(self.indices, k, span, np)).nbytes
+
 
 def dense(x: Shape) -> Terms:
     return Terms(gamma=x.nbytes) + mpi.allreduce(x.world, x.nbytes)  # copy, then Allreduce
@@ -64,8 +79,8 @@ def hier_dense(x: Shape) -> Terms:
 
 def topka(x: Shape) -> Terms:
     k = selection_size(x.density, x.n)
-    local = Terms(gamma=2 * x.nbytes + x.p * x.pairs(k))  # residual add, zero fill, scatter-add
-    return local + x.select(x.n) + mpi.allgather(x.world, x.pairs(k))
+    local = Terms(gamma=2 * x.nbytes + x.p * x.wire(k, x.n))  # residual add, zero fill, scatter-add
+    return local + x.select(x.n) + mpi.allgather(x.world, x.wire(k, x.n))
 
 
 def gtopk(x: Shape) -> Terms:
@@ -84,8 +99,8 @@ def hitopk(x: Shape) -> Terms:
     sparse_block = x.pairs(nonzero)
     terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + x.select(shard)
     residual_add = shard * x.s if x.g == 1 else 0  # otherwise part of the shard's sum
-    terms["gamma"] += residual_add + x.nbytes + (x.nodes + x.g) * x.pairs(k)  # output zero fill, scatter-adds
-    terms += mpi.allgather(x.rails, x.pairs(k))
+    terms["gamma"] += residual_add + x.nbytes + x.nodes * x.wire(k, shard) + x.g * x.pairs(k)  # zero fill, adds
+    terms += mpi.allgather(x.rails, x.wire(k, shard))
     if x.g > 1:
         terms += mpi.allgather(x.local, 8)  # nonzero counts
         terms += mpi.allgather(x.local, min(sparse_block, shard * x.s))  # sparse or dense, the smaller
@@ -95,8 +110,8 @@ def hitopk(x: Shape) -> Terms:
 def hitopk_leader(x: Shape) -> Terms:
     k = selection_size(x.density, x.n)
     terms = mpi.reduce(x.local, x.nbytes) + x.select(x.n)
-    terms["gamma"] += 2 * x.nbytes + x.nodes * x.pairs(k)  # residual add, zero fill, scatter-add
-    return terms + mpi.allgather(x.leaders, x.pairs(k)) + mpi.bcast(x.local, x.nbytes)
+    terms["gamma"] += 2 * x.nbytes + x.nodes * x.wire(k, x.n)  # residual add, zero fill, scatter-add
+    return terms + mpi.allgather(x.leaders, x.wire(k, x.n)) + mpi.bcast(x.local, x.nbytes)
 
 
 #: Local passes over a shard's bytes per adaptive sum: widen both vectors to
@@ -131,10 +146,12 @@ STEPS: Dict[str, Callable[[Shape], Terms]] = {
 
 
 def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float32",
-               density: float = 0.001, selector: str = "mstopk") -> Terms:
+               density: float = 0.001, selector: str = "mstopk", values: Optional[str] = None,
+               indices: Optional[str] = None) -> Terms:
     """All the terms of one allreduce call of ``algorithm`` (a 16-bit gradient is
-    reduced and sent in float32, so it costs as one)."""
-    x = Shape(cluster, size, sum_dtype(dtype).itemsize, density, selector)
+    reduced and sent in float32, so it costs as one); ``values`` and ``indices``
+    are the codecs of the pairs topka, hitopk and hitopk_leader send."""
+    x = Shape(cluster, size, sum_dtype(dtype).itemsize, density, selector, values, indices)
     common = Terms(overhead=1, gamma=x.nbytes) + mpi.allgather(x.world, 4)  # check, final average
     return on_cores(common + STEPS[algorithm](x), cluster)
 

@@ -36,8 +36,9 @@ def shared_machine(topology: Topology) -> Machine:
 
 
 def choose(topology: Topology, size: Any, dtype: Any, density: Any, selector: Any,
-           machine: Optional[Machine] = None) -> str:
-    """The fastest algorithm for this topology and bucket (collective).
+           machine: Optional[Machine] = None, values: Optional[str] = None, indices: Optional[str] = None) -> str:
+    """The fastest algorithm for this topology and bucket (collective); with
+    codecs (``values``, ``indices``), the fastest of those that take them.
 
     Settings the allreducers would refuse get ``dense``, whose constructor
     then raises the same ConfigError on every rank.
@@ -47,7 +48,8 @@ def choose(topology: Topology, size: Any, dtype: Any, density: Any, selector: An
         valid = int(size) >= 1 and 0 < float(density) <= 1 and selector in machine.select
         cluster = Cluster(topology.num_nodes, max(topology.node_sizes))
         if valid:
-            return fastest(predict(cluster, int(size), machine, np.dtype(dtype).name, float(density), selector))
+            return fastest(predict(cluster, int(size), machine, np.dtype(dtype).name, float(density), selector,
+                                   values=values, indices=indices))
     except (TypeError, ValueError, OverflowError):
         pass
     return "dense"

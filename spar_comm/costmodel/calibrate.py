@@ -26,6 +26,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..collectives.base import CODEC_ALGORITHMS
 from ..files import BadFileError, check, read_json, write_json
 from ..kernels import SELECTORS
 from .algorithms import STEPS, step_terms
@@ -74,9 +75,12 @@ class Measurement:
     selector: str
     seconds: float
     select_seconds: float
+    values: Optional[str] = None  # the codecs bench_comm ran with (topka, hitopk, hitopk_leader)
+    indices: Optional[str] = None
 
     def terms(self):
-        return step_terms(self.algorithm, self.cluster, self.size, self.dtype, self.density, self.selector)
+        return step_terms(self.algorithm, self.cluster, self.size, self.dtype, self.density, self.selector,
+                          self.values, self.indices)
 
 
 def read(path: str) -> Tuple[str, dict]:
@@ -129,7 +133,8 @@ def measurements(document: dict, path: str = "bench_comm JSON") -> List[Measurem
         raise CalibrationError(path, "nodes of unequal size cannot be fitted")
     rows = [
         Measurement(Cluster(nodes, per_node), r["algorithm"], r["size"], meta["dtype"], float(meta["density"]),
-                    meta["selector"], float(r["time_median"]), float(r["t_select"]))
+                    meta["selector"], float(r["time_median"]), float(r["t_select"]),
+                    *((meta.get("values"), meta.get("indices")) if r["algorithm"] in CODEC_ALGORITHMS else (None, None)))
         for r in document["results"]
     ]
     for i, row in enumerate(rows):
