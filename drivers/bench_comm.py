@@ -69,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--values", choices=VALUES,
                         help="a value codec for the pairs of topka, hitopk and hitopk_leader (the others send as "
                              "they always do; default: as summed)")
+    parser.add_argument("--rank", type=int, default=1, help="PowerSGD's rank, for powersgd (default: %(default)s)")
     parser.add_argument("--indices", choices=INDICES,
                         help="an index codec for the same pairs: auto takes int32, 16-bit gaps or a bitmap, "
                              "whichever is smallest (default: int32)")
@@ -97,6 +98,13 @@ def unwritable(path: str) -> str | None:
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         return f"cannot write --out {path}: {folder} is not a writable folder"
     return None
+
+
+def options_of(algorithm: str, args: argparse.Namespace) -> dict:
+    """The settings of ``args`` that ``algorithm`` takes beyond the common ones."""
+    if algorithm in CODEC_ALGORITHMS:
+        return dict(values=args.values, indices=args.indices)
+    return dict(rank=args.rank) if algorithm == "powersgd" else {}
 
 
 def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> list:
@@ -200,6 +208,7 @@ def main() -> int:
         "dtype": args.dtype,
         "density": args.density,
         "selector": args.selector,
+        "rank": args.rank,
         "values": args.values,
         "indices": args.indices,
         "warmup": args.warmup,
@@ -221,8 +230,7 @@ def main() -> int:
         grad = topology.memory.xp.asarray(rng.standard_normal(size).astype(args.dtype))
         reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector,
                                     shared_buffer=args.shared_buffer,
-                                    **(dict(values=args.values, indices=args.indices) if a in CODEC_ALGORITHMS else {}))
-                    for a in args.algorithms]
+                                    **options_of(a, args)) for a in args.algorithms]
         measured = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
         if args.link_counters:
             sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]

@@ -63,6 +63,7 @@ def make_parser() -> RankZeroParser:
     comm.add_argument("--density", type=float, default=DEFAULTS.density, help="fraction of gradient entries sent")
     comm.add_argument("--values", choices=VALUES, help="the values of the pairs on the wire (topka, hitopk, "
                       "hitopk_leader; what they round away stays in the residual; default: as summed)")
+    comm.add_argument("--rank", type=int, default=DEFAULTS.rank, help="PowerSGD's rank (--algorithm powersgd)")
     comm.add_argument("--indices", choices=INDICES, help="the positions of the pairs on the wire: auto takes int32, "
                       "16-bit gaps or a bitmap, whichever is smallest (default: int32)")
     comm.add_argument("--ranks-per-node", type=int,

@@ -57,6 +57,13 @@ def round_int8_blocks(v: np.ndarray, block: int = 256) -> np.ndarray:
 ROUNDING = {"float32": round_float32, "float16": round_float16, "bfloat16": round_bfloat16, "int8": round_int8_blocks}
 
 
+def reproducible() -> List[str]:
+    """The algorithms a serial model matches bit for bit (all but those that approximate)."""
+    from spar_comm import ALGORITHMS
+
+    return [name for name, cls in ALGORITHMS.items() if not cls.approximates]
+
+
 def node_list(p: int, ranks_per_node: int) -> List[List[int]]:
     return [list(range(first, min(first + ranks_per_node, p))) for first in range(0, p, ranks_per_node)]
 

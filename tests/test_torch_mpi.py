@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 import spar_comm.torch as sct  # noqa: E402
 from spar_comm.torch.streams import tensor_device  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
-from reference import Reference  # noqa: E402
-from spar_comm import ALGORITHMS, ConfigError, NonFiniteGradientError  # noqa: E402
+from reference import Reference, reproducible  # noqa: E402
+from spar_comm import ConfigError, NonFiniteGradientError  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -58,7 +58,7 @@ def bucket_of(grads_of_rank, model, bucket) -> np.ndarray:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("algorithm", reproducible())
 def test_every_bucket_matches_the_serial_reference(topology, algorithm):
     model = Controlled()
     opt = wrap(model, topology, algorithm=algorithm, density=0.2, selector="exact")
@@ -80,7 +80,7 @@ def test_every_bucket_matches_the_serial_reference(topology, algorithm):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("algorithm", reproducible())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_16_bit_parameters_get_the_float32_reference_rounded_once(topology, algorithm, dtype):
     """A 16-bit gradient is reduced in float32 and rounded once: the serial
@@ -329,3 +329,28 @@ def test_misuse_is_named(topology):
         opt.zero_grad()
     opt.step()
     opt.zero_grad()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_powersgd_compresses_each_layer_and_keeps_every_rank_alike(topology):
+    """algorithm="powersgd": the buckets' allreducers see the layers' shapes (a
+    weight is a matrix, a bias is summed densely), training lowers the loss,
+    and every rank holds the same parameters."""
+    net = small_net(0)
+    sct.broadcast_parameters(net)
+    opt = sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), net.named_parameters(),
+                                   topology=topology, algorithm="powersgd")
+    shapes = [shape for bucket in opt.buckets for shape in bucket.reducer.options["shapes"]]
+    assert_all(COMM, sorted(shapes) == sorted(tuple(p.shape) for p in net.parameters()), f"bucket shapes {shapes}")
+    batches = [digits_like(step) for step in range(40)]
+
+    def loss() -> float:  # over every rank's batches
+        with torch.no_grad():
+            mine = sum(float(torch.nn.functional.cross_entropy(net(x), y)) for x, y in batches) / len(batches)
+        return COMM.allreduce(mine) / COMM.size
+
+    before = loss()
+    train_steps(net, opt, range(40))
+    after = loss()
+    assert_all(COMM, after < before, f"loss {before:.4f} -> {after:.4f}")
+    assert_identical_bits(COMM, torch.cat([p.detach().flatten() for p in net.parameters()]).numpy(), "parameters")

@@ -57,7 +57,7 @@ def test_the_gpu_path_trains_to_the_bits_of_the_cpu(tmp_path):
         assert np.array_equal(cpu[name], gpu[name]), name
 
 
-@pytest.mark.parametrize("ranks, ranks_per_node, algorithm", [(2, 1, "hitopk"), (3, 2, "gtopk")])
+@pytest.mark.parametrize("ranks, ranks_per_node, algorithm", [(2, 1, "hitopk"), (3, 2, "gtopk"), (2, 2, "powersgd")])
 def test_stop_after_then_resume_gives_the_same_bits(tmp_path, ranks, ranks_per_node, algorithm):
     common = [*FAST, "--steps", "40", "--ranks-per-node", str(ranks_per_node), "--algorithm", algorithm, "--trace", ""]
     full = run_train(ranks, [*common, "--checkpoint", str(tmp_path / "full.h5")])
@@ -73,6 +73,7 @@ def test_stop_after_then_resume_gives_the_same_bits(tmp_path, ranks, ranks_per_n
     assert sorted(a) == sorted(b)
     assert {"params/layer0.weight", "optimizer/velocity/layer0.weight"} <= set(a)
     assert {f"residuals/rank{r}" for r in range(ranks)} <= set(a)
+    assert ("allreducer/shared" in a) == (algorithm == "powersgd")  # PowerSGD's warm start Q
     for name in a:
         assert np.array_equal(a[name], b[name]), name
     assert full.stdout.split("|")[0] == second.stdout.split("|")[0]  # the same held-out accuracy

@@ -12,6 +12,7 @@ from .gtopk import GTopKAllreducer
 from .hier_dense import HierDenseAllreducer
 from .hitopk import HiTopKAllreducer
 from .hitopk_leader import HiTopKLeaderAllreducer
+from .powersgd import PowerSGDAllreducer
 from .topka import TopKAllgatherAllreducer
 
 #: Algorithm name -> class.
@@ -25,6 +26,7 @@ ALGORITHMS: Dict[str, Type[Allreducer]] = {
         HiTopKAllreducer,
         HiTopKLeaderAllreducer,
         AdasumAllreducer,
+        PowerSGDAllreducer,
     )
 }
 
@@ -45,6 +47,7 @@ def make_allreducer(
     shared_buffer: bool = False,
     values: str | None = None,
     indices: str | None = None,
+    **options: Any,
 ) -> Allreducer:
     """An allreducer of ``algorithm`` for flat gradients of ``size`` elements.
 
@@ -58,6 +61,8 @@ def make_allreducer(
     (``codecs.VALUES``; topka, hitopk and hitopk_leader), what they round
     away kept in the residual. ``indices="auto"`` sends their positions as
     int32, 16-bit gaps or a bitmap, whichever is smallest (``codecs.INDICES``).
+    ``options`` are an algorithm's own settings (``powersgd``: ``rank``,
+    ``shapes``); another algorithm refuses them.
     """
     known = isinstance(algorithm, str) and (algorithm == AUTO or algorithm in ALGORITHMS)
     problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join([*ALGORITHMS, AUTO])}"
@@ -69,4 +74,4 @@ def make_allreducer(
         algorithm = choose(topology, size, dtype, density, selector, values=values, indices=indices)
     cls = ALGORITHMS[algorithm]
     return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer,
-               values, indices)
+               values, indices, options)

@@ -106,8 +106,13 @@ class Allreducer:
     #: Whether the result is the sum (or mean) over ranks; ``adasum``'s is not,
     #: so ``auto`` never swaps it in for another.
     sums = True
+    #: Whether its result rounds by the order in which MPI sums (``powersgd``:
+    #: products of sums), so that a serial model matches it to rounding only.
+    approximates = False
     #: Whether its (index, value) pairs may travel through codecs (``values=``, ``indices=``).
     codecs = False
+    #: Settings of this algorithm alone (``make_allreducer(..., **options)``), with their defaults.
+    options: Dict[str, Any] = {}
 
     def __init__(
         self,
@@ -122,6 +127,7 @@ class Allreducer:
         shared_buffer: bool = False,
         values: Optional[str] = None,
         indices: Optional[str] = None,
+        options: Optional[Dict[str, Any]] = None,
     ):
         world = topology.world
         problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse,
@@ -135,6 +141,13 @@ class Allreducer:
                 elif not self.codecs:
                     problem = (f"{setting}={given!r}: {self.name} takes no codec; "
                                f"codecs apply to {', '.join(CODEC_ALGORITHMS)}")
+        unknown = sorted(set(options or {}) - set(type(self).options))
+        if problem is None and unknown:
+            known = ", ".join(type(self).options) or "none"
+            problem = f"{self.name} takes no option {', '.join(map(repr, unknown))} (its options: {known})"
+        merged = {**type(self).options, **(options or {})}
+        if problem is None:
+            problem = self.check_options(int(size), merged)
         raise_if_any(world, problem)
         require_same(
             world,
@@ -151,8 +164,10 @@ class Allreducer:
                 shared_buffer=shared_buffer,
                 values=values,
                 indices=indices,
+                options=repr(sorted(merged.items())),
             ),
         )
+        self.options = merged
         self.topology = topology
         self.memory = topology.memory
         self.xp = self.memory.xp
@@ -194,6 +209,11 @@ class Allreducer:
         reduce_scatter = node_reduce_scatter(local, counts, self.dtype, shares_memory, in_place)
         self._buffer = reduce_scatter.buffer  # None: plain memory, made when asked for
         return reduce_scatter
+
+    @classmethod
+    def check_options(cls, size: int, options: Dict[str, Any]) -> Optional[str]:
+        """A message for the first bad option of this algorithm, or None."""
+        return None
 
     def pair_exchange(self, channel: Channel, k: int, span: int) -> PairExchange:
         """The exchange of k pairs a rank over ``channel``, positions within a span
@@ -333,6 +353,15 @@ class Allreducer:
         """This rank's residual for a checkpoint: its range ``[lo, hi)`` of the
         global vector and a copy of its values."""
         return self._residual_range, self.memory.to_host(self._residual)
+
+    def shared_state(self) -> Optional[np.ndarray]:
+        """State every rank holds alike beside the residual, for a checkpoint
+        (``powersgd``: the warm start Q), or None."""
+        return None
+
+    def load_shared_state(self, values: np.ndarray) -> None:
+        """Restore what ``shared_state`` returned (same settings)."""
+        raise_if_any(self.topology.world, f"{self.name} keeps no shared state to load")
 
     def load_residual_state(self, span: Tuple[int, int], values: np.ndarray) -> None:
         """Restore what ``residual_state`` returned on the same rank and layout.

@@ -23,6 +23,7 @@ import numpy as np
 from ..collectives.base import selection_size, sum_dtype
 from ..collectives.codecs import make_codec, make_index_codec
 from ..collectives.pairs import PairLayout
+from ..collectives.powersgd import plan as powersgd_plan
 from . import mpi
 from .machine import Cluster
 from .mpi import Span, Terms
@@ -139,9 +140,23 @@ def adasum(x: Shape) -> Terms:
     return terms
 
 
+def powersgd(x: Shape) -> Terms:
+    """Rank 1 over the vector as one matrix (the allreducer's defaults): two
+    world Allreduces of the factors, and about six passes over the vector
+    (residual add, the two products, the result, the residual update, the
+    average), the products' arithmetic taken as memory-bound at rank 1."""
+    matrices, dense_parts = powersgd_plan(x.n, 1, None)
+    terms = Terms(gamma=6 * x.nbytes)
+    terms += mpi.allreduce(x.world, sum(rows for _, rows, _ in matrices) * x.s)
+    terms += mpi.allreduce(x.world, sum(cols for _, _, cols in matrices) * x.s)
+    if dense_parts:
+        terms += mpi.allreduce(x.world, sum(n for _, n in dense_parts) * x.s)
+    return terms
+
+
 #: Algorithm name -> its step terms, in the order of spar_comm.ALGORITHMS.
 STEPS: Dict[str, Callable[[Shape], Terms]] = {
-    f.__name__: f for f in (dense, hier_dense, topka, gtopk, hitopk, hitopk_leader, adasum)
+    f.__name__: f for f in (dense, hier_dense, topka, gtopk, hitopk, hitopk_leader, adasum, powersgd)
 }
 
 

@@ -122,9 +122,11 @@ class _DistributedOptimizer:
         _require_same_buckets(world, [_signature(entries) for _, entries in planned])
         self.buckets: List[_Bucket] = []
         for index, (kind, entries) in enumerate(planned):
+            name = "dense" if kind == "dense" else algorithm
+            own = {"shapes": [tuple(p.shape) for _, p in entries]} if name == "powersgd" else {}  # the layers' matrices
             reducer = make_allreducer(
-                "dense" if kind == "dense" else algorithm, self.topology, sum(p.numel() for _, p in entries),
-                _DTYPES[entries[0][1].dtype], density, selector, error_feedback=error_feedback, shared_buffer=True,
+                name, self.topology, sum(p.numel() for _, p in entries), _DTYPES[entries[0][1].dtype], density,
+                selector, error_feedback=error_feedback, shared_buffer=True, **own,
             )
             self.buckets.append(_Bucket(index, entries, reducer))
         self._comm = world.Dup()  # this class's own small collectives, never mixed with the allreducers'

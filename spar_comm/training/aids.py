@@ -134,19 +134,19 @@ class ScheduledAllreduce:
     """
 
     def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: Fixed,
-                 codecs: Optional[dict] = None):
+                 options: Optional[dict] = None):
         self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
-        self.codecs = codecs
+        self.options = options
         known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # auto: not known before it is built
         self.density = schedule(0) if known_sparse else schedule.target
-        self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector, codecs)
+        self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector, options)
         self.algorithm = self.current.reducer.name
 
     def at(self, step: int) -> FusedAllreduce:
         density = self.schedule(step) if self.current.sparse else self.density
         if density != self.density:
             span, values = self.current.residual()
-            fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector, self.codecs)
+            fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector, self.options)
             fresh.load_residual(span, values)
             self.current.reducer.free()
             self.current, self.density = fresh, density
@@ -176,3 +176,9 @@ class ScheduledAllreduce:
 
     def load_residual(self, span: Tuple[int, int], values: np.ndarray) -> None:
         self.current.load_residual(span, values)
+
+    def shared_state(self) -> Optional[np.ndarray]:
+        return self.current.shared_state()
+
+    def load_shared_state(self, values: np.ndarray) -> None:
+        self.current.load_shared_state(values)

@@ -51,6 +51,7 @@ def save_checkpoint(
     ``state_dict`` (density.py's Accordion) is saved from rank 0: its state
     is the same on every rank."""
     span, residual = reducer.residual()
+    shared = reducer.shared_state()  # the same on every rank: rank 0's is saved
     # Pickled gather: once per checkpoint, never on the hot path.
     residuals = group.comm.gather((span, residual), root=0)
     local = group.comm.gather(None if local_velocity is None else to_host(local_velocity), root=0)
@@ -72,6 +73,8 @@ def save_checkpoint(
             for rank, values in enumerate(local):
                 if values is not None:
                     f.create_dataset(f"aids/velocity/rank{rank}", data=values)
+            if shared is not None:
+                f.create_dataset("allreducer/shared", data=shared)
             state = schedule.state_dict() if hasattr(schedule, "state_dict") else None
             if state is not None:
                 kept = f.create_group("schedule")
@@ -106,6 +109,7 @@ class Saved:
     residual: Optional[np.ndarray]  # None on a rank the saving run did not have
     local_velocity: Optional[np.ndarray]  # the convergence aids' velocity, where the run had one
     schedule: Optional[dict] = None  # a stateful density schedule's state, where the run had one
+    shared: Optional[np.ndarray] = None  # the allreducer's shared state (PowerSGD's Q), where it had one
 
 
 def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
@@ -116,7 +120,7 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
         version = attribute(f, "format", int)
         if version != FORMAT:
             raise BadFileError(path, f"checkpoint format {version}; this version of spar_comm reads format {FORMAT}")
-        mine = [f"residuals/rank{rank}", f"aids/velocity/rank{rank}", "schedule/accumulated"]
+        mine = [f"residuals/rank{rank}", f"aids/velocity/rank{rank}", "schedule/accumulated", "allreducer/shared"]
         values = verify(f, keep=[f"{group}/{name}" for group in GROUPS for name in layout.names] + mine)
         try:
             config = TrainConfig.from_json(attribute(f, "config", str))
@@ -155,7 +159,11 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
                 dataset(f, mine[2], "f", (layout.size,))
                 accumulated = finite(path, mine[2], values[mine[2]])
             schedule = dict(accumulated=accumulated, previous_norm=norm, density=density)
-        return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local, schedule)
+        shared = None
+        if mine[3] in f:
+            dataset(f, mine[3], "f", (None,))
+            shared = finite(path, mine[3], values[mine[3]])
+        return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local, schedule, shared)
 
 
 def load_checkpoint(
@@ -186,9 +194,13 @@ def load_checkpoint(
     stateful = hasattr(schedule, "load_state_dict")
     if stateful and saved.schedule is None:
         raise ConfigError(f"cannot resume {path}: it holds no state for the density schedule")
+    if (reducer.shared_state() is None) != (saved.shared is None):
+        raise ConfigError(f"cannot resume {path}: the allreducer's shared state (PowerSGD's Q) is missing on one side")
     for flat, host in restored:
         flat[...] = xp.asarray(host, dtype=flat.dtype, device=array_api_compat.device(flat))
     reducer.load_residual(saved.residual_span, saved.residual)
+    if saved.shared is not None:
+        reducer.load_shared_state(saved.shared)
     if stateful:
         schedule.load_state_dict(saved.schedule, xp, like=params)
     return saved.step

@@ -59,6 +59,7 @@ class TrainConfig:
     dtype: str = "float32"
     values: Optional[str] = None  # a value codec for the pairs on the wire (collectives/codecs.py)
     indices: Optional[str] = None  # an index codec for them
+    rank: int = 1  # PowerSGD's rank (--algorithm powersgd)
     device: str = "cpu"
     trace: Optional[str] = None
     trace_every: int = 10
@@ -96,6 +97,8 @@ class TrainConfig:
                 found.append(f"{flag} must be one of {', '.join(known)}, got {given!r}")
             elif given is not None and self.algorithm not in (*CODEC_ALGORITHMS, "auto"):
                 found.append(f"{flag} applies to {', '.join(CODEC_ALGORITHMS)}, not to --algorithm {self.algorithm}")
+        if self.rank != 1 and self.algorithm != "powersgd":
+            found.append(f"--rank applies to --algorithm powersgd, not to --algorithm {self.algorithm}")
         if not self.accordion_eta > 0:
             found.append(f"--accordion-eta must be > 0, got {self.accordion_eta}")
         if self.momentum_masking and not self.momentum_correction:
@@ -104,7 +107,7 @@ class TrainConfig:
         if self.epochs is not None and self.steps is not None:
             found.append("give --epochs or --steps, not both")
         positive = dict(
-            hidden=self.hidden, depth=self.depth, batch_size=self.batch_size, trace_every=self.trace_every,
+            rank=self.rank, hidden=self.hidden, depth=self.depth, batch_size=self.batch_size, trace_every=self.trace_every,
             epochs=self.epochs, steps=self.steps, stop_after=self.stop_after, ranks_per_node=self.ranks_per_node,
         )
         for name, value in positive.items():

@@ -41,9 +41,9 @@ class Group:
         self._flag = np.zeros(1, dtype=np.int32)
 
     def allreducer(self, algorithm: str, size: int, dtype: str, density: float, selector: str,
-                   codecs: Optional[dict] = None) -> "FusedAllreduce":
-        """``codecs``: the value and index codecs (``values=``, ``indices=``), if any."""
-        return FusedAllreduce(make_allreducer(algorithm, self.topology, size, dtype, density, selector, **(codecs or {})))
+                   options: Optional[dict] = None) -> "FusedAllreduce":
+        """``options``: further settings of ``make_allreducer`` (codecs, an algorithm's own)."""
+        return FusedAllreduce(make_allreducer(algorithm, self.topology, size, dtype, density, selector, **(options or {})))
 
     def broadcast(self, x: Any, xp: Any) -> None:
         """Overwrite ``x`` in place with rank 0's bits."""
@@ -100,3 +100,10 @@ class FusedAllreduce:
     def load_residual(self, span: Tuple[int, int], values: np.ndarray) -> None:
         """Restore a residual saved by ``residual()`` on the same rank and layout."""
         self.reducer.load_residual_state(span, values)
+
+    def shared_state(self) -> Optional[np.ndarray]:
+        """State every rank holds alike (PowerSGD's Q), or None."""
+        return self.reducer.shared_state()
+
+    def load_shared_state(self, values: np.ndarray) -> None:
+        self.reducer.load_shared_state(values)

@@ -123,8 +123,11 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     density = make_schedule(config.density_schedule, config.density, shards.steps_per_epoch,
                             warmup_start=config.density_warmup_start, warmup_epochs=config.density_warmup,
                             high=config.accordion_high, eta=config.accordion_eta)
+    options = dict(values=config.values, indices=config.indices)
+    if config.algorithm == "powersgd":  # rank r over the model's own matrices
+        options.update(rank=config.rank, shapes=[model.layout.shapes[name] for name in model.layout.names])
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
-                                   dict(values=config.values, indices=config.indices))
+                                   options)
     aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
 
@@ -136,6 +139,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     else:
         group.broadcast(params, xp)
     method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
+    if config.algorithm == "powersgd":
+        method += f" rank {config.rank}"
     if allreduce.sparse:  # say what the schedule sends beside --density
         method += density.describe()
     if config.values or config.indices:
