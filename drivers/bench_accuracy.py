@@ -96,14 +96,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def base_config(workload: str) -> TrainConfig:
-    """train.py's config for ``workload``, without a trace or a progress bar.
-    A bad flag is a usage message and exit status 2 on every rank."""
+def base_config(workload: str, algorithm: str = "hitopk") -> TrainConfig:
+    """train.py's config for ``workload`` with ``algorithm``, without a trace or
+    a progress bar. A bad flag is a usage message and exit status 2 on every rank."""
     flags = shlex.split(workload)
-    args = make_parser().parse_args([*flags, "--trace", "", "--no-progress"])
     for owned in ("algorithm", "density", "seed"):
         if any(flag == f"--{owned}" or flag.startswith(f"--{owned}=") for flag in flags):
             raise ConfigError(f"--workload sets --{owned}, which this program chooses per cell")
+    args = make_parser().parse_args([*flags, "--algorithm", algorithm, "--trace", "", "--no-progress"])
     config = config_from(args)
     problems = config.problems()
     if problems:
@@ -122,8 +122,8 @@ def cells(args: argparse.Namespace) -> List[Dict]:
 
 def run_cell(base: TrainConfig, cell: Dict, comm: MPI.Comm) -> Dict:
     changes = dict(algorithm=cell["algorithm"], density=cell["density"], seed=cell["seed"])
-    if cell["algorithm"] == DENSE:  # dense sends no pairs: a --workload codec is not for it
-        changes.update(values=None, indices=None)
+    if cell["algorithm"] == DENSE:  # dense takes no codec and no rank: a --workload's are not for it
+        changes.update(values=None, indices=None, rank=1)
     if cell["aids"]:
         changes.update(aid_changes(cell["aids"], base))
     summary = train(dataclasses.replace(base, **changes), comm)
@@ -155,7 +155,7 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     lead = comm.rank == 0
     raise_if_any(comm, unwritable(args.out) if lead and args.out else None)
-    base = base_config(args.workload)
+    base = base_config(args.workload, args.algorithm)
     document = {"meta": {**vars(args), "world_size": comm.size, "config": dataclasses.asdict(base)}, "runs": []}
     plan = cells(args)
     for number, cell in enumerate(plan, 1):
