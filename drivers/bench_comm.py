@@ -24,24 +24,27 @@ measured) is what the cost model is fitted on.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 
-import numpy as np
-from mpi4py import MPI
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank (powersgd's products), as train.py
 
-import spar_comm
-from spar_comm import ALGORITHMS, Topology, make_allreducer
-from spar_comm.kernels import SELECTORS
-from spar_comm.cli import comma_list, density
-from spar_comm.collectives.base import CODEC_ALGORITHMS, DTYPES
-from spar_comm.collectives.codecs import INDICES, VALUES
-from spar_comm.consensus import raise_if_any
-from spar_comm.files import write_json
-from spar_comm.launch import run_main
-from spar_comm.memory import DEVICES
-from spar_comm.mpi_strings import library_name, processor_name
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import spar_comm  # noqa: E402
+from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
+from spar_comm.kernels import SELECTORS  # noqa: E402
+from spar_comm.cli import comma_list, density  # noqa: E402
+from spar_comm.collectives.base import CODEC_ALGORITHMS, DTYPES  # noqa: E402
+from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
+from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
+from spar_comm.launch import run_main  # noqa: E402
+from spar_comm.memory import DEVICES  # noqa: E402
+from spar_comm.mpi_strings import library_name, processor_name  # noqa: E402
 
 FIGURES = ("t_select", "t_intra", "t_inter")
 COUNTS = ("bytes_intra", "bytes_inter", "k", "bytes_staged")
