@@ -19,8 +19,8 @@ from mpi4py import MPI
 device_select = pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
 
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
-from reference import Reference  # noqa: E402
-from spar_comm import ALGORITHMS, GradientError, NonFiniteGradientError, Topology, make_allreducer  # noqa: E402
+from reference import Reference, reproducible  # noqa: E402
+from spar_comm import GradientError, NonFiniteGradientError, Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.pairs import PairLayout  # noqa: E402
 from spar_comm.device import ENV_CUDA_AWARE, library_cuda_support  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
@@ -67,7 +67,7 @@ def on_host(topology, array) -> np.ndarray:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+@pytest.mark.parametrize("algorithm", reproducible())
 def test_the_gpu_path_matches_the_serial_reference(gpu_topology, algorithm):
     """Result and residual to the last bit, identical on every rank, in a
     fresh output and in place (``out=grad``)."""
