@@ -1,6 +1,7 @@
 """Checkpoints: one HDF5 file with everything a run needs to continue to the
 same bits: parameters, optimizer state, the residual of every rank, the data
-order, the step, and a stateful density schedule's state (Accordion's).
+order, the step, a stateful density schedule's state (Accordion's) and the
+allreducer's shared state (PowerSGD's Q).
 
 Rank 0 writes a temporary file and renames it over the old one, so a crash
 while saving never loses the previous checkpoint.
@@ -194,8 +195,9 @@ def load_checkpoint(
     stateful = hasattr(schedule, "load_state_dict")
     if stateful and saved.schedule is None:
         raise ConfigError(f"cannot resume {path}: it holds no state for the density schedule")
-    if (reducer.shared_state() is None) != (saved.shared is None):
-        raise ConfigError(f"cannot resume {path}: the allreducer's shared state (PowerSGD's Q) is missing on one side")
+    shared = reducer.shared_state()
+    if (None if shared is None else shared.shape) != (None if saved.shared is None else saved.shared.shape):
+        raise ConfigError(f"cannot resume {path}: the allreducer's shared state (PowerSGD's Q) does not fit this run")
     for flat, host in restored:
         flat[...] = xp.asarray(host, dtype=flat.dtype, device=array_api_compat.device(flat))
     reducer.load_residual(saved.residual_span, saved.residual)
