@@ -23,9 +23,11 @@ STEPS = 3
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", CODEC_ALGORITHMS)
-@pytest.mark.parametrize("values, indices", [(v, None) for v in VALUES] + [(None, "auto"), ("int8", "auto")])
-@pytest.mark.parametrize("dtype, n, density", [("float32", 1037, 0.3), ("float64", 600, 0.05),
-                                               ("float32", 140_000, 0.0002)])
+@pytest.mark.parametrize("values, indices, dtype, n, density", [
+    *((v, i, dtype, n, d) for v, i in [(v, None) for v in VALUES] + [(None, "auto"), ("int8", "auto")]
+      for dtype, n, d in [("float32", 1037, 0.3), ("float64", 600, 0.05)]),
+    (None, "auto", "float32", 140_000, 0.0002), ("int8", "auto", "float32", 140_000, 0.0002),
+])
 def test_matches_the_reference_with_the_codecs_rounding(topology, algorithm, values, indices, dtype, n, density):
     """At density 0.3 a record holds more than one int8 block and indices go as a
     bitmap; at 0.0002 of 140,000 as 16-bit gaps, some longer than 65,535.
