@@ -51,9 +51,7 @@ class AdasumAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.local = self.channel(topology.local, spans_nodes=False)
-        self.counts = topology.local_shard_counts(self.size)
-        self.reduce_scatter = self.node_reduce_scatter(self.local, self.counts)
+        self.node_reduce_scatter()
         self.lo, hi = topology.owned_range(self.size)
         self.region = self.xp.empty(hi - self.lo, self.dtype)
         self.theirs = self.xp.empty(hi - self.lo, self.dtype)

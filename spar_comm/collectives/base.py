@@ -201,14 +201,17 @@ class Allreducer:
         inter = spans_nodes and self.topology.num_nodes > 1
         return Channel(comm, "inter" if inter else "intra", self.last, self.memory)
 
-    def node_reduce_scatter(self, local: Channel, counts: List[int]):
-        """The node's Reduce_scatter (see ``shm.node_reduce_scatter``); with
-        ``shared_buffer`` its shared vector becomes ``buffer``."""
+    def node_reduce_scatter(self) -> None:
+        """Set up the node's phase: ``local`` (the node's channel), ``counts``
+        (each local rank's share of the vector) and ``reduce_scatter`` (see
+        ``shm.node_reduce_scatter``); with ``shared_buffer`` its shared vector
+        becomes ``buffer``."""
+        self.local = self.channel(self.topology.local, spans_nodes=False)
+        self.counts = self.topology.local_shard_counts(self.size)
         shares_memory = self.topology.local_shares_memory and self.memory.in_host_memory
         in_place = self.shared_buffer and self._wide is None  # a 16-bit gradient is widened elsewhere
-        reduce_scatter = node_reduce_scatter(local, counts, self.dtype, shares_memory, in_place)
-        self._buffer = reduce_scatter.buffer  # None: plain memory, made when asked for
-        return reduce_scatter
+        self.reduce_scatter = node_reduce_scatter(self.local, self.counts, self.dtype, shares_memory, in_place)
+        self._buffer = self.reduce_scatter.buffer  # None: plain memory, made when asked for
 
     @classmethod
     def check_options(cls, size: int, options: Dict[str, Any]) -> Optional[str]:

@@ -16,10 +16,8 @@ class HierDenseAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.local = self.channel(topology.local, spans_nodes=False)
+        self.node_reduce_scatter()
         self.rails = {j: self.channel(c, spans_nodes=True) for j, c in topology.rails.items()}
-        self.counts = topology.local_shard_counts(self.size)
-        self.reduce_scatter = self.node_reduce_scatter(self.local, self.counts)
         self.lo, _ = topology.owned_range(self.size)
         self.region = self.xp.empty(self.counts[self.local.rank], dtype=self.dtype)
         self.shards = topology.shards_per_node

@@ -41,9 +41,7 @@ class HiTopKAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.local = self.channel(topology.local, spans_nodes=False)
-        self.counts = topology.local_shard_counts(self.size)
-        self.reduce_scatter = self.node_reduce_scatter(self.local, self.counts)
+        self.node_reduce_scatter()
         self.offsets = displacements(self.counts)
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
