@@ -47,13 +47,10 @@ class PairLayout:
         values, indices = self.all_views(buf[record * self.nbytes : (record + 1) * self.nbytes], 1)
         return values[0], indices[0]
 
-    def write(self, buf: Any, indices: Any, values: Any) -> Any:
-        """Encode one record into ``buf``; return the values as receivers decode them."""
+    def write(self, buf: Any, indices: Any, values: Any) -> None:
+        """Encode one record into ``buf``."""
         self.codec.encode(values, buf[: self.index_offset])
         self.indices.encode(indices, buf[self.index_offset : self.nbytes])
-        if not self.codec.lossy:
-            return values
-        return self.codec.decode(buf[: self.nbytes].reshape(1, self.nbytes), self.k)[0]
 
     def read_all(self, buf: Any, records: int) -> Tuple[Any, Any]:
         """(values, indices) of every record, each (records, k), values decoded."""
@@ -85,8 +82,9 @@ class PairExchange:
         """Add every rank's pairs into ``out``; return the indices touched, and
         this rank's values as every rank decoded them (``values`` itself unless
         the codec is lossy)."""
-        sent = self.layout.write(self.sendbuf, indices, values)
+        self.layout.write(self.sendbuf, indices, values)
         self.channel.allgather(self.sendbuf, self.recvbuf)
         all_values, all_indices = self.layout.read_all(self.recvbuf, self.channel.size)
         scatter_add(out, all_indices, all_values)
+        sent = all_values[self.channel.rank] if self.layout.codec.lossy else values  # decoded once, with the rest
         return all_indices.ravel(), sent
