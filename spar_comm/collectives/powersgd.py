@@ -75,6 +75,8 @@ class PowerSGDAllreducer(Allreducer):
         self.p_all = xp.empty(sum(r * c for r, c in self.p_shapes), self.dtype)
         self.q_all = xp.empty(sum(q.size for q in self.q), self.dtype)
         self.dense_all = xp.empty(sum(length for _, length in self.dense), self.dtype)
+        starts = np.cumsum([0] + [n for _, n in self.dense]).tolist()
+        self.dense_parts = [((o, n), self.dense_all[s : s + n]) for (o, n), s in zip(self.dense, starts)]
         self.keep_residual(0, self.size)
 
     def shared_state(self) -> Optional[np.ndarray]:
@@ -128,13 +130,11 @@ class PowerSGDAllreducer(Allreducer):
 
     def _sum_densely(self, m_all: Any, out: Any) -> None:
         """The vectors, and the matrices not worth compressing, summed exactly."""
-        parts = [(o, n, self.dense_all[start : start + n]) for (o, n), start in
-                 zip(self.dense, np.cumsum([0] + [n for _, n in self.dense])[:-1].tolist())]
-        for o, n, part in parts:
+        for (o, n), part in self.dense_parts:
             part[...] = m_all[o : o + n]
-        if parts:
+        if self.dense_parts:
             self.world.allreduce(self.dense_all)
-        for o, n, part in parts:
+        for (o, n), part in self.dense_parts:
             out[o : o + n] = part
             if self.error_feedback:
                 m_all[o : o + n] = 0  # sent in full: nothing kept
