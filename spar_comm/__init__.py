@@ -6,6 +6,7 @@
     mean_grad = ar.allreduce(flat_grad)           # identical bits on every rank
 """
 from .collectives import ALGORITHMS, Allreducer, make_allreducer, selection_size
+from .collectives.feedback import Residual
 from .errors import ConfigError, GradientError, NonFiniteGradientError, SparCommError
 from .topology import Topology
 
@@ -17,6 +18,7 @@ __all__ = [
     "ConfigError",
     "GradientError",
     "NonFiniteGradientError",
+    "Residual",
     "SparCommError",
     "Topology",
     "make_allreducer",

@@ -27,6 +27,7 @@ from jax.flatten_util import ravel_pytree
 
 from .collectives import Allreducer, make_allreducer
 from .collectives.base import DTYPES
+from .collectives.feedback import Residual
 from .consensus import raise_if_any
 from .errors import GradientError, SparCommError
 from .launch import abort_job
@@ -56,12 +57,16 @@ def sparse_allreduce(
     error_feedback: bool = True,
     average: bool = True,
     selector_options: Optional[Dict[str, Any]] = None,
+    values: Optional[str] = None,
+    indices: Optional[str] = None,
+    **options: Any,
 ) -> optax.GradientTransformation:
     """Replace each gradient by its (sparsified) mean over all ranks.
 
     ``init(params)`` is collective: it checks that every rank has the same
     parameter tree, shapes and dtype, and builds one allreducer for the fused
-    vector (settings as ``make_allreducer``; ``topology=None`` finds nodes by
+    vector (settings as ``make_allreducer``, codecs and ``options`` too;
+    ``topology=None`` finds nodes by
     shared memory or ``SPAR_COMM_RANKS_PER_NODE``). All leaves must share one
     dtype, float32, float64, float16 or bfloat16: the fused buffer is reduced
     in it (a 16-bit one in float32, rounded back once, with a float32
@@ -87,8 +92,8 @@ def sparse_allreduce(
         raise_if_any(topology.world, mismatch and f"the parameters differ from rank 0's: {mismatch}")
         size = sum(math.prod(shape) for _, shape, _ in leaves)
         dtype = leaves[0][2] if leaves else "float32"
-        reducer = make_allreducer(algorithm, topology, size, dtype, density, selector,
-                                  error_feedback, average, selector_options)
+        reducer = make_allreducer(algorithm, topology, size, dtype, density, selector, error_feedback, average,
+                                  selector_options, values=values, indices=indices, **options)
         if bound.reducer is not None:  # a jitted step traced before still works with it
             bound.reducer.free()
         bound.reducer, bound.leaves = reducer, leaves
@@ -150,20 +155,22 @@ _raised: list = []
 
 def _reduce_on_host(reducer: Allreducer, problem: Optional[str], flat: np.ndarray, residual: np.ndarray,
                     span: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """One update on the host: load the state's residual, allreduce, hand back
-    the mean and the new residual. A gradient found wrong while tracing is
-    withheld, so that the allreducer's own per-call check refuses it on every
-    rank; the reason found while tracing then replaces the allreducer's. The
-    hot path thus adds no collective of its own."""
+    """One update on the host: allreduce with the state's residual (a writable
+    copy of it: JAX's arrays are not), hand back the mean and the new
+    residual. The allreducer checks the state with the gradient, in its one
+    per-call collective. A gradient found wrong while tracing is withheld, so
+    that the allreducer refuses it on every rank; the reason found while
+    tracing then replaces the allreducer's. The hot path thus adds no
+    collective of its own."""
     world = reducer.topology.world
     try:
-        reducer.load_residual_state(tuple(span.tolist()), residual)
+        state = Residual(tuple(span.tolist()), np.array(residual))
         try:
-            mean = reducer.allreduce(_WITHHELD if problem else np.asarray(flat))
+            mean = reducer.allreduce(_WITHHELD if problem else np.asarray(flat), state=state)
         except GradientError:  # raised on every rank alike, so every rank is here
             raise_if_any(world, problem, GradientError)
             raise
-        return mean, reducer.residual_state()[1]
+        return mean, state.values
     except SparCommError as error:  # raised on every rank alike: the step fails everywhere
         _raised[:] = [error]
         raise

@@ -134,7 +134,6 @@ import os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp, numpy as np
 from mpi4py import MPI
-from spar_comm import Allreducer
 from spar_comm.jax import sparse_allreduce
 from spar_comm.kernels import register
 
@@ -147,8 +146,9 @@ if sys.argv[1] == "selection":  # inside the allreduce
     register("broken", lambda: lambda x, k: fail_on_rank_1() or np.arange(k), exact=False)
     selector = "broken"
 else:  # in the update's own host code, before the allreduce
-    load = Allreducer.load_residual_state
-    Allreducer.load_residual_state = lambda self, *args: fail_on_rank_1() or load(self, *args)
+    import spar_comm.jax
+    make_state = spar_comm.jax.Residual
+    spar_comm.jax.Residual = lambda *args: fail_on_rank_1() or make_state(*args)
 tx = sparse_allreduce("topka", 0.1, selector=selector)
 state = tx.init({"w": jnp.zeros(100)})
 jax.jit(tx.update)({"w": jnp.ones(100)}, state)

@@ -23,6 +23,7 @@ from mpi4py import MPI  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import ConfigError, GradientError, NonFiniteGradientError, Topology  # noqa: E402
+from spar_comm.collectives.base import CODECS  # noqa: E402
 from spar_comm.jax import sparse_allreduce, unwrap_errors  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -75,18 +76,20 @@ def nodes_of_two():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", reproducible())
-def test_matches_serial_reference(nodes_of_two, algorithm):
+@pytest.mark.parametrize("algorithm, values", [*((a, None) for a in reproducible()),
+                                               *((a, "int8") for a in CODECS["values"])])
+def test_matches_serial_reference(nodes_of_two, algorithm, values):
     """Under jit, every algorithm gives the reference's mean and keeps its
-    residual, to the bit (dense: the exact mean of the ranks' gradients).
-    One node layout: test_collectives_mpi.py covers the others; this checks
-    the fusion, the state and the callback around the allreducer."""
+    residual in the optax state, to the bit (dense: the exact mean of the
+    ranks' gradients), and so do the algorithms that take a value codec with
+    int8 values. One node layout: test_collectives_mpi.py covers the others;
+    this checks the fusion, the state and the callback around the allreducer."""
     p, rank = COMM.size, COMM.rank
     density, topology = 0.1, nodes_of_two
-    tx = sparse_allreduce(algorithm, density, topology=topology)
+    tx = sparse_allreduce(algorithm, density, topology=topology, values=values)
     state = tx.init(tree_of(np.zeros(SIZE, np.float32)))
     update = jitted_update(tx)
-    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, SIZE, "float32", density)
+    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, SIZE, "float32", density, values=values)
     for step in range(STEPS):
         grads = rank_grads(1, step, p)
         mean, state = update(tree_of(grads[rank]), state)
@@ -153,7 +156,7 @@ def test_state_of_another_rank_is_refused_everywhere():
     tx = sparse_allreduce("hitopk", 0.1, topology=topo)
     state = tx.init(tree_of(np.zeros(SIZE, np.float32)))
     theirs = COMM.allgather(jax.tree_util.tree_map(np.array, state))[(COMM.rank + 1) % COMM.size]
-    with pytest.raises(ConfigError, match="saved residual covers"), unwrap_errors():
+    with pytest.raises(ConfigError, match="the state is not a Residual of this rank's span"), unwrap_errors():
         jitted_update(tx)(tree_of(rank_grads(4, 0, COMM.size)[COMM.rank]),
                           jax.tree_util.tree_map(jnp.asarray, theirs))
     topo.free()

@@ -1,11 +1,18 @@
 """What every allreducer shares: settings checked across ranks, the per-call
-gradient check, error-feedback residuals, and the ``.last`` figures.
+gradient check, the pieces it is built from, and the ``.last`` figures.
+
+An allreducer is a communication pattern (its own module) put together from
+pieces with one job each: a selector (``kernels``, through ``select``) or
+another compressor, a value codec and an index codec (``codecs.py``: how
+the payload looks on the wire), error feedback (``feedback.py``: what was
+not sent, or sent inexactly) and channels (``channel.py``: MPI calls that
+keep the books).
 
 A subclass implements ``_reduce(grad) -> flat array`` (the sum over ranks,
 divided by their number through ``averaged`` when averaging), taking its
 result array from ``output`` once it has read ``grad`` for the last time (the
-caller may pass ``out=grad``), and says where its residual lives; the rest is
-here. Arrays are made through ``self.xp``, the namespace of the memory the
+caller may pass ``out=grad``), and says where its residual lives
+(``feedback.cover``); the rest is here. Arrays are made through ``self.xp``, the namespace of the memory the
 topology put the rank in (NumPy, or CuPy on a GPU; see ``memory.py``), so one
 implementation of each algorithm serves both.
 
@@ -25,12 +32,13 @@ from mpi4py import MPI
 
 from .. import kernels
 from ..consensus import raise_if_any, require_same
-from ..errors import GradientError, NonFiniteGradientError
+from ..errors import ConfigError, GradientError, NonFiniteGradientError
 from ..launch import abort_job
 from ..memory import HostMemory
 from ..topology import Topology
 from .channel import Channel
 from .codecs import INDICES, VALUES, make_codec, make_index_codec
+from .feedback import ErrorFeedback, Residual
 from .pairs import PairExchange
 from .shm import MessageReduceScatter, node_reduce_scatter
 
@@ -38,8 +46,10 @@ from .shm import MessageReduceScatter, node_reduce_scatter
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: Indices travel as int32 positions within a shard.
 MAX_SHARD = 2**31 - 1
-#: The algorithms whose pairs may travel through codecs (``values=``, ``indices=``).
-CODEC_ALGORITHMS = ("topka", "hitopk", "hitopk_leader")
+#: The algorithms whose messages travel through codecs, by setting: the values
+#: of every message (``values=``), the positions of (index, value) pairs (``indices=``).
+CODECS = {"values": ("dense", "hier_dense", "topka", "hitopk", "hitopk_leader"),
+          "indices": ("topka", "hitopk", "hitopk_leader")}
 
 
 def sum_dtype(dtype: Any) -> np.dtype:
@@ -68,8 +78,10 @@ _PROBLEMS = {
     16: "not contiguous",
     32: "non-finite values (NaN or Inf)",
     64: "out is not a 1-D contiguous array of the gradient's length and dtype",
+    128: "the state is not a Residual of this rank's span, length and dtype (see residual_state)",
 }
 _NON_FINITE = 32
+_STATE = 128
 
 
 def _problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMemory) -> int:
@@ -109,8 +121,6 @@ class Allreducer:
     #: Whether its result rounds by the order in which MPI sums (``powersgd``:
     #: products of sums), so that a serial model matches it to rounding only.
     approximates = False
-    #: Whether its (index, value) pairs may travel through codecs (``values=``, ``indices=``).
-    codecs = False
     #: Settings of this algorithm alone (``make_allreducer(..., **options)``), with their defaults.
     options: Dict[str, Any] = {}
 
@@ -138,9 +148,9 @@ class Allreducer:
             if problem is None and given is not None:
                 if given not in known:
                     problem = f"{setting} must be one of {', '.join(known)}, got {given!r}"
-                elif not self.codecs:
-                    problem = (f"{setting}={given!r}: {self.name} takes no codec; "
-                               f"codecs apply to {', '.join(CODEC_ALGORITHMS)}")
+                elif self.name not in CODECS[setting]:
+                    problem = (f"{setting}={given!r}: {self.name} takes no {setting} codec; "
+                               f"{setting} codecs apply to {', '.join(CODECS[setting])}")
         unknown = sorted(set(options or {}) - set(type(self).options))
         if problem is None and unknown:
             known = ", ".join(type(self).options) or "none"
@@ -180,6 +190,7 @@ class Allreducer:
         self.selector_name = selector
         self.selector_options = dict(selector_options or {})
         self.error_feedback = bool(error_feedback)
+        self.feedback = ErrorFeedback(self.error_feedback, self.xp, self.dtype)
         self.average = bool(average)
         self.shared_buffer = shared_buffer
         self.codec = make_codec(values, self.dtype, self.xp)
@@ -191,9 +202,6 @@ class Allreducer:
         self._codes = np.zeros(world.size, dtype=np.int32)
         self.last: Dict[str, float] = self._fresh_ledger()
         self.world = self.channel(world, spans_nodes=True)
-        # The residual covers [lo, hi) of the global vector (empty for dense methods).
-        self._residual_range: Tuple[int, int] = (0, 0)
-        self._residual = self.xp.zeros(0, dtype=self.dtype)
 
     # -- construction helpers for subclasses -------------------------------------------
     def channel(self, comm: MPI.Comm, spans_nodes: bool) -> Channel:
@@ -227,20 +235,6 @@ class Allreducer:
         """One selector per selection site, since a selector may keep state."""
         return self.memory.selector(self.selector_name, self.selector_options)
 
-    def keep_residual(self, lo: int, hi: int) -> None:
-        """Keep a residual over ``[lo, hi)`` of the global vector (with error feedback)."""
-        if self.error_feedback:
-            self._residual_range = (lo, hi)
-            self._residual = self.xp.zeros(hi - lo, dtype=self.dtype)
-
-    def with_residual(self, fresh: Any) -> Any:
-        """``fresh`` plus the residual, summed into the residual when error feedback
-        is on; otherwise ``fresh`` itself (selection leaves it untouched then)."""
-        if not self.error_feedback:
-            return fresh
-        self._residual += fresh
-        return self._residual
-
     def output(self, zeroed: bool) -> Any:
         """The result array: the caller's ``out`` or a new one, zero-filled when
         the algorithm writes only some positions."""
@@ -267,8 +261,7 @@ class Allreducer:
         start = self.memory.now()
         indices = selector(acc, k)
         values = acc[indices]
-        if self.error_feedback:
-            acc[indices] = 0
+        self.feedback.forget(acc, indices)
         self.last["t_select"] += self.memory.now() - start
         self.last["k"] += len(indices)
         if len(values):
@@ -276,14 +269,10 @@ class Allreducer:
         return indices, values
 
     def keep_rounding(self, acc: Any, indices: Any, values: Any, sent: Any) -> None:
-        """Return what a lossy codec rounded away to the residual ``acc`` (which
-        ``select`` cleared at ``indices``), so that the sent values plus the
-        residual are exactly the selected values. The difference is exact,
-        since a value and its rounding lie within a factor of two (Sterbenz),
-        except where float16 saturates a value beyond 65504: that difference
-        is rounded like any sum."""
-        if self.codec.lossy and self.error_feedback:
-            acc[indices] = values - sent
+        """Return what this allreducer's codec rounded away to the residual ``acc``
+        (which ``select`` cleared at ``indices``), so that the sent values plus
+        the residual are exactly the selected values (``ErrorFeedback.keep_rounding``)."""
+        self.feedback.keep_rounding(acc, indices, values, sent, self.codec.lossy)
 
     # -- the public interface ----------------------------------------------------------
     @property
@@ -301,7 +290,7 @@ class Allreducer:
             self._buffer = self.xp.zeros(self.size, self.grad_dtype)
         return self._buffer
 
-    def allreduce(self, grad: Any, out: Any = None) -> Any:
+    def allreduce(self, grad: Any, out: Any = None, state: Optional[Residual] = None) -> Any:
         """The sum (or mean) of ``grad`` over all ranks: a new array, or ``out``
         when given (``out=grad`` reduces in place and saves an allocation).
 
@@ -309,8 +298,13 @@ class Allreducer:
         GPU a CuPy array or any CUDA array exporting DLPack (a torch tensor),
         whose result comes back as the same kind of array.
 
+        ``state``: this rank's residual, held by the caller (a ``Residual`` of
+        ``residual_state()``'s span), updated in place instead of the one the
+        allreducer holds.
+
         Every rank gets identical bits. A gradient refused on any rank raises
-        GradientError on every rank and leaves the residuals as they were.
+        GradientError on every rank, a state ConfigError, and the residuals
+        stay as they were.
 
         A float16 or bfloat16 gradient is reduced in float32 (sums, residuals
         and the values on the wire) and the result rounded to its dtype once,
@@ -323,8 +317,11 @@ class Allreducer:
         grad, back = self.memory.adopt(given_grad)
         if given_out is not None:
             out = grad if given_out is given_grad else self.memory.adopt(given_out)[0]
-        self._check(grad, out, given_out is not None)
+        self._check(grad, out, given_out is not None, state)
         self.last["t_check"] = self.memory.now() - start
+        held = self.feedback.state
+        if state is not None:
+            self.feedback.state = state
         try:
             if self._wide is None:
                 self._out = out
@@ -339,23 +336,32 @@ class Allreducer:
             # alone (a bug, memory, an interrupt) while the others wait in a
             # collective: end the whole job rather than leave them hanging.
             abort_job(self.topology.world, f"{self.name} allreduce")
+        finally:
+            self.feedback.state = held
         if math.isinf(self.last["threshold"]):  # nothing was selected: a dense method
             self.last["threshold"] = 0.0
         self.last["t_total"] = self.memory.now() - start
         return given_out if given_out is not None else back(result)
 
+    @property
+    def keeps_residual(self) -> bool:
+        """Whether this rank keeps a residual: error feedback is on, and the rank
+        compresses something (a selection, a lossy codec, a low-rank factor)."""
+        lo, hi = self.feedback.state.span
+        return hi > lo
+
     def residual_full(self) -> Any:
         """This rank's residual in global coordinates (zeros elsewhere), in
         ``dtype`` (float32 for a 16-bit gradient)."""
         full = self.xp.zeros(self.size, dtype=self.dtype)
-        lo, hi = self._residual_range
-        full[lo:hi] = self._residual
+        lo, hi = self.feedback.state.span
+        full[lo:hi] = self.feedback.residual
         return full
 
     def residual_state(self) -> Tuple[Tuple[int, int], np.ndarray]:
         """This rank's residual for a checkpoint: its range ``[lo, hi)`` of the
         global vector and a copy of its values."""
-        return self._residual_range, self.memory.to_host(self._residual)
+        return self.feedback.state.span, self.memory.to_host(self.feedback.residual)
 
     def shared_state(self) -> Optional[np.ndarray]:
         """State every rank holds alike beside the residual, for a checkpoint
@@ -370,12 +376,12 @@ class Allreducer:
         """Restore what ``residual_state`` returned on the same rank and layout.
         Collective: a residual that does not fit on any rank raises ConfigError
         on every rank, and nothing is loaded."""
-        problem = None
-        if tuple(span) != tuple(self._residual_range) or np.shape(values) != self._residual.shape:
+        problem, mine = None, self.feedback.state
+        if tuple(span) != tuple(mine.span) or np.shape(values) != mine.values.shape:
             problem = (f"saved residual covers {tuple(span)} with {np.shape(values)} values; "
-                       f"this rank's covers {self._residual_range} with {self._residual.shape}")
+                       f"this rank's covers {mine.span} with {mine.values.shape}")
         raise_if_any(self.topology.world, problem)
-        self._residual[...] = self.xp.asarray(values)
+        mine.values[...] = self.xp.asarray(values)
 
     def free(self) -> None:
         """Release the node's shared-memory window, where the algorithm holds one.
@@ -409,11 +415,14 @@ class Allreducer:
             return self.last
         return ledger
 
-    def _check(self, grad: Any, out: Any, out_given: bool) -> None:
-        """Gather every rank's verdict on its (adopted) gradient; raise alike on all ranks."""
+    def _check(self, grad: Any, out: Any, out_given: bool, state: Optional[Residual]) -> None:
+        """Gather every rank's verdict on its (adopted) gradient, ``out`` and
+        ``state``; raise alike on all ranks."""
         self._code[0] = _problems_of(grad, out, self.size, self.grad_dtype, self.memory)
         if out_given and out is None:  # given, but not an array of this memory
             self._code[0] |= 64
+        if state is not None and not self.feedback.fits(state, self.memory):
+            self._code[0] |= _STATE
         self.topology.world.Allgather(self._code, self._codes)
         if not self._codes.any():
             return
@@ -421,7 +430,10 @@ class Allreducer:
         for rank in np.flatnonzero(self._codes):
             names = [text.format(kind=self.memory.kind) for bit, text in _PROBLEMS.items() if self._codes[rank] & bit]
             parts.append(f"rank {rank}: " + ", ".join(names))
-        error = NonFiniteGradientError if (self._codes | _NON_FINITE).max() == _NON_FINITE else GradientError
+        if (self._codes & _STATE).any():  # a state restored on another rank or layout
+            error = ConfigError
+        else:
+            error = NonFiniteGradientError if (self._codes | _NON_FINITE).max() == _NON_FINITE else GradientError
         raise error(
             f"{self.name} allreduce refused the gradient (expected 1-D contiguous "
             f"{self.grad_dtype.name} of length {self.size}; nothing was changed): " + "; ".join(parts)

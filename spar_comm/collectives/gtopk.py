@@ -32,10 +32,10 @@ class GTopKAllreducer(Allreducer):
         self.buf = self.layout.empty()
         self.selector = self.new_selector()
         self.keep_largest = self.memory.selector("exact", {})  # the merge's pick
-        self.keep_residual(0, self.size)
+        self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:
-        acc = self.with_residual(grad)
+        acc = self.feedback.add(grad)
         indices, values = self.select(self.selector, acc, self.k)
         rank, p = self.world.rank, self.world.size
         step = 1
@@ -75,7 +75,7 @@ class GTopKAllreducer(Allreducer):
         if self.error_feedback:
             dropped = xp.ones(union.size, dtype=bool)
             dropped[keep] = False
-            self._residual[union[dropped]] += summed[dropped]
+            self.feedback.residual[union[dropped]] += summed[dropped]
         self.last["t_select"] += self.memory.now() - start
         return union[keep], summed[keep]
 

@@ -37,7 +37,6 @@ class _Site:
 class HiTopKAllreducer(Allreducer):
     name = "hitopk"
     sparse = True
-    codecs = True
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
@@ -48,7 +47,7 @@ class HiTopKAllreducer(Allreducer):
         xp = self.xp
         self.region = xp.empty(self.hi - self.lo if self.local.size > 1 and not self.error_feedback else 0, self.dtype)
         self.reduced = xp.zeros(self.hi - self.lo if self.local.size > 1 else 0, self.dtype)
-        self.keep_residual(self.lo, self.hi)
+        self.feedback.cover(self.lo, self.hi)
         self._count = xp.zeros(1, dtype=np.int64)
         self._counts = xp.zeros(self.local.size, dtype=np.int64)
 
@@ -82,10 +81,10 @@ class HiTopKAllreducer(Allreducer):
     def _node_sum_with_residual(self, grad: Any) -> Any:
         """My region of the node's sum plus my residual (the array to select from)."""
         if self.local.size == 1:  # a lone rank of its node holds its node's sum already
-            return self.with_residual(grad)
+            return self.feedback.add(grad)
         if self.error_feedback:  # summed straight into the residual: one pass fewer
-            self.reduce_scatter(grad, self._residual, accumulate=True)
-            return self._residual
+            self.reduce_scatter(grad, self.feedback.residual, accumulate=True)
+            return self.feedback.residual
         self.reduce_scatter(grad, self.region)
         return self.region
 

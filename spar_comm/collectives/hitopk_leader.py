@@ -17,7 +17,6 @@ from .base import Allreducer, selection_size
 class HiTopKLeaderAllreducer(Allreducer):
     name = "hitopk_leader"
     sparse = True
-    codecs = True
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
@@ -29,14 +28,14 @@ class HiTopKLeaderAllreducer(Allreducer):
             leaders = self.channel(topology.leader, spans_nodes=True)
             self.exchange = self.pair_exchange(leaders, self.k, self.size)
             self.selector = self.new_selector()
-            self.keep_residual(0, self.size)
+            self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:
         node_sum = self.node_sum if self.is_leader else None
         self.local.reduce(grad, node_sum)
         out = self.output(zeroed=self.is_leader)
         if self.is_leader:
-            acc = self.with_residual(node_sum)
+            acc = self.feedback.add(node_sum)
             indices, values = self.select(self.selector, acc, self.k)
             touched, sent = self.exchange(indices, values, out)
             self.keep_rounding(acc, indices, values, sent)

@@ -77,7 +77,7 @@ class PowerSGDAllreducer(Allreducer):
         self.dense_all = xp.empty(sum(length for _, length in self.dense), self.dtype)
         starts = np.cumsum([0] + [n for _, n in self.dense]).tolist()
         self.dense_parts = [((o, n), self.dense_all[s : s + n]) for (o, n), s in zip(self.dense, starts)]
-        self.keep_residual(0, self.size)
+        self.feedback.cover(0, self.size)
 
     def shared_state(self) -> Optional[np.ndarray]:
         """Every matrix's Q, the warm start of the next step, in one vector."""
@@ -106,7 +106,7 @@ class PowerSGDAllreducer(Allreducer):
 
     def _reduce(self, grad: Any) -> Any:
         xp = self.xp
-        m_all = self.with_residual(grad)  # M = gradient + residual, every matrix at once
+        m_all = self.feedback.add(grad)  # M = gradient + residual, every matrix at once
         matrices = [m_all[o : o + r * c].reshape(r, c) for o, r, c in self.matrices]
         ps, qs = split(self.p_all, self.p_shapes), split(self.q_all, [q.shape for q in self.q])
         for m, q, p in zip(matrices, self.q, ps):

@@ -15,17 +15,16 @@ from .base import Allreducer, selection_size
 class TopKAllgatherAllreducer(Allreducer):
     name = "topka"
     sparse = True
-    codecs = True
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
         self.k = selection_size(self.density, self.size)
         self.exchange = self.pair_exchange(self.world, self.k, self.size)
         self.selector = self.new_selector()
-        self.keep_residual(0, self.size)
+        self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:
-        acc = self.with_residual(grad)
+        acc = self.feedback.add(grad)
         indices, values = self.select(self.selector, acc, self.k)
         out = self.output(zeroed=True)
         touched, sent = self.exchange(indices, values, out)

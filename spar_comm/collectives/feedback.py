@@ -1,0 +1,82 @@
+"""Error feedback: the memory of what a rank did not send, or sent inexactly.
+
+What a compressor leaves out of a step is kept in a residual and added to
+the next step's gradient (Seide et al., 2014; DGC; Stich et al., 2018), so
+that every value is applied once, late but exactly: summed over ranks, what
+was applied plus what the residuals hold is what came in.
+
+The residual is state, and explicit: a ``Residual`` that the allreducer
+holds, or that the caller holds and passes to ``allreduce(..., state=)``
+(the JAX transformation threads it through its optax state). It covers the
+positions ``[lo, hi)`` of the global vector where this rank compresses: the
+whole vector for ``topka``, the rank's region of the node's sum for
+``hitopk``, nothing for an algorithm that sends everything exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import numpy as np
+
+
+@dataclass
+class Residual:
+    """This rank's residual: ``values`` over ``span = (lo, hi)`` of the global vector."""
+
+    span: Tuple[int, int]
+    values: Any
+
+
+class ErrorFeedback:
+    """The residual of one allreducer, and the three things compressors do with it.
+
+    With feedback off, ``add`` returns the fresh values themselves, and the
+    other two do nothing: what is not sent is dropped.
+    """
+
+    def __init__(self, on: bool, xp: Any, dtype: np.dtype):
+        self.on, self.xp, self.dtype = bool(on), xp, np.dtype(dtype)
+        self.state = Residual((0, 0), xp.zeros(0, dtype=self.dtype))
+
+    def cover(self, lo: int, hi: int) -> None:
+        """Keep a residual over ``[lo, hi)`` of the global vector (with feedback on)."""
+        if self.on:
+            self.state = Residual((lo, hi), self.xp.zeros(hi - lo, dtype=self.dtype))
+
+    @property
+    def residual(self) -> Any:
+        return self.state.values
+
+    def add(self, fresh: Any) -> Any:
+        """``fresh`` plus the residual, summed into the residual (the array to
+        compress from); with feedback off, ``fresh`` itself, left untouched."""
+        if not self.on:
+            return fresh
+        self.state.values += fresh
+        return self.state.values
+
+    def forget(self, acc: Any, indices: Any) -> None:
+        """Clear what was selected from ``acc`` (the residual): it is being sent."""
+        if self.on:
+            acc[indices] = 0
+
+    def keep_rounding(self, acc: Any, indices: Any, values: Any, sent: Any, lossy: bool) -> None:
+        """Keep in ``acc`` what a lossy codec rounded away from ``values`` (sent as
+        ``sent``), at ``indices``, or everywhere when ``indices`` is None. The
+        difference is exact, since a value and its rounding lie within a factor
+        of two (Sterbenz), except where float16 saturates a value beyond 65504:
+        that difference is rounded like any sum."""
+        if lossy and self.on:
+            if indices is None:
+                acc[...] = values - sent
+            else:
+                acc[indices] = values - sent
+
+    def fits(self, state: Residual, memory: Any) -> bool:
+        """Whether ``state`` may stand in for this allreducer's residual: the same
+        span, and a writable array of ``memory`` of its length and dtype."""
+        values, (lo, hi) = getattr(state, "values", None), self.state.span
+        return (isinstance(state, Residual) and tuple(state.span) == (lo, hi) and memory.is_array(values)
+                and values.shape == (hi - lo,) and values.dtype == self.dtype
+                and getattr(values.flags, "writeable", True))
