@@ -38,7 +38,7 @@ import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density  # noqa: E402
-from spar_comm.collectives.base import CODEC_ALGORITHMS, DTYPES  # noqa: E402
+from spar_comm.collectives.base import CODECS, DTYPES  # noqa: E402
 from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.files import write_json  # noqa: E402
@@ -105,9 +105,9 @@ def unwritable(path: str) -> str | None:
 
 def options_of(algorithm: str, args: argparse.Namespace) -> dict:
     """The settings of ``args`` that ``algorithm`` takes beyond the common ones."""
-    if algorithm in CODEC_ALGORITHMS:
-        return dict(values=args.values, indices=args.indices)
-    return dict(rank=args.rank) if algorithm == "powersgd" else {}
+    if algorithm == "powersgd":
+        return dict(rank=args.rank)
+    return {setting: getattr(args, setting) for setting in ("values", "indices") if algorithm in CODECS[setting]}
 
 
 def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> list:
@@ -221,8 +221,8 @@ def main() -> int:
     }
     results = []
     if lead:
-        codec = "".join(f"; {name} {kind}" for kind, name in (("values", args.values), ("indices", args.indices)) if name)
-        codec += f" for {', '.join(CODEC_ALGORITHMS)}" if codec else ""
+        codec = "".join(f"; {name} {kind} for {', '.join(CODECS[kind])}"
+                        for kind, name in (("values", args.values), ("indices", args.indices)) if name)
         print(f"# {topology.describe()}; {args.dtype}, density {args.density}, selector {args.selector}{codec}")
         print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
         header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'select':>8} {'intra':>8} " \

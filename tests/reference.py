@@ -108,10 +108,46 @@ class Reference:
         return total
 
     # -- the algorithms ----------------------------------------------------------------
-    def _dense(self, grads):
-        return self._dense_sum(grads)
+    def _coded(self, ranks: List[int], parts: List[np.ndarray], lo: int) -> np.ndarray:
+        """The sum over ``ranks`` of ``parts`` (each at positions ``lo`` onwards),
+        sent through the value codec as coded.py sends it: each rank's part in
+        len(ranks) chunks, rounded, its rounding kept; each chunk's owner sums the
+        rounded chunks in rank order, rounds that sum and keeps its rounding too."""
+        length, q = len(parts[0]), len(ranks)
+        chunks = [(j * length // q, (j + 1) * length // q) for j in range(q)]
+        sent = []
+        for rank, part in zip(ranks, parts):
+            acc = self.residuals[rank][lo : lo + length] + part if self.error_feedback else part.copy()
+            rounded = np.concatenate([self.rounding(acc[a:b]) for a, b in chunks])
+            if self.error_feedback:
+                self.residuals[rank][lo : lo + length] = acc - rounded
+            sent.append(rounded)
+        out = np.zeros(length, self.dtype)
+        for owner, (a, b) in zip(ranks, chunks):
+            total = sent[0][a:b].copy()
+            for rounded in sent[1:]:
+                total = total + rounded[a:b]
+            out[a:b] = self.rounding(total)
+            if self.error_feedback:
+                self.residuals[owner][lo + a : lo + b] += total - out[a:b]
+        return out
 
-    _hier_dense = _dense
+    def _dense(self, grads):
+        if self.rounding is None:
+            return self._dense_sum(grads)
+        return self._coded(list(range(self.p)), grads, 0)
+
+    def _hier_dense(self, grads):
+        if self.rounding is None:
+            return self._dense_sum(grads)
+        out = np.zeros(self.n, self.dtype)
+        sums = [self._dense_sum([grads[r] for r in node]) for node in self.nodes]
+        shards = max(len(node) for node in self.nodes)
+        for j in range(shards):  # the rail of shard j: its owner on every node
+            lo, hi = j * self.n // shards, (j + 1) * self.n // shards
+            owners = [node[j * len(node) // shards] for node in self.nodes]
+            out[lo:hi] = self._coded(owners, [s[lo:hi] for s in sums], lo)
+        return out
 
     def _topka(self, grads):
         out = np.zeros(self.n, self.dtype)

@@ -5,7 +5,7 @@ communicator tagged ``intra`` (inside a node) or ``inter`` (across nodes).
 Bytes are what this rank sends under the ring model:
 
 * Allgather of b bytes per rank: (p-1)*b;
-* Reduce_scatter or Allgather of a whole n-byte vector: (p-1)/p*n;
+* Reduce_scatter, Alltoall, or Allgather of a whole n-byte vector: (p-1)/p*n;
 * Allreduce of n bytes: 2(p-1)/p*n;
 * Bcast: as MPICH sends it (``bcast_bytes``): n to each child of a binomial
   tree, or a scatter and a ring allgather of n/p blocks for long messages;
@@ -110,6 +110,10 @@ class Channel:
     def allgather(self, send: Any, recv: Any) -> None:
         """Equal blocks: ``recv`` holds ``size`` copies of ``send``'s length."""
         self._call(self.comm.Allgather, send, recv, (self.size - 1) * send.nbytes)
+
+    def alltoall(self, send: Any, recv: Any) -> None:
+        """Equal blocks: block j of ``send`` goes to rank j, ``recv`` gets one from every rank."""
+        self._call(self.comm.Alltoall, send, recv, (self.size - 1) * send.nbytes // self.size)
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int]) -> None:
         """Blocks of ``counts`` elements, placed one after another in ``recv``."""

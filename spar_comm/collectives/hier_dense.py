@@ -1,7 +1,9 @@
 """``hier_dense``: local Reduce_scatter -> rail Allreduce of my shard -> local Allgather.
 
 Only 1/local_size of the vector crosses nodes from each rank, and every node
-link carries the node's share once.
+link carries the node's share once. A lossy value codec applies to the rail
+Allreduce, where the bytes cross nodes (``coded.py``); inside the node the
+sums stay exact.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 from ..topology import shard_bounds
 from .base import Allreducer
+from .coded import CodedAllreduce
 
 
 class HierDenseAllreducer(Allreducer):
@@ -17,17 +20,26 @@ class HierDenseAllreducer(Allreducer):
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
         self.node_reduce_scatter()
-        self.rails = {j: self.channel(c, spans_nodes=True) for j, c in topology.rails.items()}
         self.lo, _ = topology.owned_range(self.size)
         self.region = self.xp.empty(self.counts[self.local.rank], dtype=self.dtype)
-        self.shards = topology.shards_per_node
+        self.rails = []  # (my slice of the region for rail j, its channel, its coded sum or None)
+        for j, comm in topology.rails.items():
+            lo, hi = shard_bounds(self.size, topology.shards_per_node, j)
+            rail = self.channel(comm, spans_nodes=True)
+            coded = CodedAllreduce(rail, hi - lo, self.dtype, self.codec) if self.codec.lossy else None
+            self.rails.append((slice(lo - self.lo, hi - self.lo), rail, coded))
+        if self.codec.lossy:
+            self.feedback.cover(self.lo, self.lo + len(self.region))
 
     def _reduce(self, grad: Any) -> Any:
         region = self.region
         self.reduce_scatter(grad, region)
-        for j, rail in self.rails.items():
-            lo, hi = shard_bounds(self.size, self.shards, j)
-            rail.allreduce(region[lo - self.lo : hi - self.lo])
+        acc = self.feedback.add(region) if self.codec.lossy else region
+        for part, rail, coded in self.rails:
+            if coded is None:
+                rail.allreduce(region[part])
+            else:
+                coded(acc[part], region[part], self.feedback)
         out = self.output(zeroed=False)
         self.local.allgatherv(self.averaged(region), out, self.counts)
         self.last["k"] = self.size

@@ -19,7 +19,7 @@ from .codecs import Exact, Int32Indices
 INDEX = np.dtype(np.int32)
 
 
-def _up8(nbytes: int) -> int:
+def up8(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
@@ -34,8 +34,8 @@ class PairLayout:
         self.xp = xp
         self.codec = codec if codec is not None else Exact(self.dtype, xp)
         self.indices = indices if indices is not None else Int32Indices(k, 0, xp)
-        self.index_offset = _up8(self.codec.nbytes(k))
-        self.nbytes = _up8(self.index_offset + self.indices.nbytes())
+        self.index_offset = up8(self.codec.nbytes(k))
+        self.nbytes = up8(self.index_offset + self.indices.nbytes())
         self.plain_indices = type(self.indices) is Int32Indices
 
     def empty(self, records: int = 1) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional
 
 from ..collectives import ALGORITHMS
-from ..collectives.base import CODEC_ALGORITHMS
+from ..collectives.base import CODECS
 from .algorithms import STEPS, step_terms
 from .calibrate import CalibrationError, Measurement, fit, load, relative_errors, save
 from .machine import CPU, GPU, PRESETS, Cluster, Machine, beta_to_gbps, gbps_to_beta
@@ -29,10 +29,10 @@ def predict(cluster: Cluster, size: int, machine: Machine, dtype: str = "float32
             selector: str = "mstopk", algorithms: Optional[Iterable[str]] = None, values: Optional[str] = None,
             indices: Optional[str] = None) -> Dict[str, float]:
     """Predicted seconds per allreduce call of each algorithm (default: all; with
-    ``values`` or ``indices``, the codecs' pairs, all that take codecs)."""
+    ``values`` or ``indices``, all that take those codecs)."""
     if selector not in machine.select:
         raise ValueError(f"no selection figure for selector {selector!r}; known: {', '.join(sorted(machine.select))}")
-    default = CODEC_ALGORITHMS if values or indices else STEPS
+    default = CODECS["indices"] if indices else CODECS["values"] if values else STEPS
     return {
         name: machine.seconds(step_terms(name, cluster, size, dtype, density, selector, values, indices))
         for name in (algorithms or default)

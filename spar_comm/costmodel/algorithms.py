@@ -22,7 +22,7 @@ import numpy as np
 
 from ..collectives.base import selection_size, sum_dtype
 from ..collectives.codecs import make_codec, make_index_codec
-from ..collectives.pairs import PairLayout
+from ..collectives.pairs import PairLayout, up8
 from ..collectives.powersgd import plan as powersgd_plan
 from . import mpi
 from .machine import Cluster
@@ -33,7 +33,6 @@ INDEX_BYTES = 4
 
 def pair_bytes(k: int, itemsize: int) -> int:
     """Bytes of a record of k (index, value) pairs, each part padded to 8 bytes."""
-    up8 = lambda nbytes: -(-nbytes // 8) * 8  # noqa: E731
     return up8(k * itemsize) + up8(k * INDEX_BYTES)
 
 
@@ -60,6 +59,19 @@ class Shape:
     def pairs(self, k: int) -> int:
         return pair_bytes(k, self.s)
 
+    @property
+    def lossy(self) -> bool:
+        """Whether the value codec rounds (and dense sums go through ``coded.py``)."""
+        return make_codec(self.values, np.dtype(f"f{self.s}"), np).lossy
+
+    def coded_sum(self, span: Span, length: int) -> Terms:
+        """``coded.py``'s sum of ``length`` elements over ``span``: an Alltoall and an
+        Allgather of a chunk's encoded bytes, and about six local passes (the
+        residual add, the copy into chunks, encoding, decoding, the sum, the output)."""
+        chunk = math.ceil(length / span.size)
+        block = up8(make_codec(self.values, np.dtype(f"f{self.s}"), np).nbytes(chunk))
+        return Terms(gamma=6 * length * self.s) + mpi.alltoall(span, block) + mpi.allgather(span, block)
+
     def wire(self, k: int, span: int) -> int:
         """Bytes of a record of k pairs within ``span`` through the codecs (``pairs`` without them)."""
         if self.values is None and self.indices is None:
@@ -70,12 +82,15 @@ class Shape:
 
 
 def dense(x: Shape) -> Terms:
+    if x.lossy:
+        return x.coded_sum(x.world, x.n)
     return Terms(gamma=x.nbytes) + mpi.allreduce(x.world, x.nbytes)  # copy, then Allreduce
 
 
 def hier_dense(x: Shape) -> Terms:
     shard = x.nbytes / x.g
-    return mpi.shared_reduce_scatter(x.local, x.nbytes) + mpi.allreduce(x.rails, shard) + mpi.allgather(x.local, shard)
+    rails = x.coded_sum(x.rails, math.ceil(x.n / x.g)) if x.lossy else mpi.allreduce(x.rails, shard)
+    return mpi.shared_reduce_scatter(x.local, x.nbytes) + rails + mpi.allgather(x.local, shard)
 
 
 def topka(x: Shape) -> Terms:
@@ -165,7 +180,7 @@ def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float3
                indices: Optional[str] = None) -> Terms:
     """All the terms of one allreduce call of ``algorithm`` (a 16-bit gradient is
     reduced and sent in float32, so it costs as one); ``values`` and ``indices``
-    are the codecs of the pairs topka, hitopk and hitopk_leader send."""
+    are the codecs of the messages (``base.CODECS``)."""
     x = Shape(cluster, size, sum_dtype(dtype).itemsize, density, selector, values, indices)
     common = Terms(overhead=1, gamma=x.nbytes) + mpi.allgather(x.world, 4)  # check, final average
     return on_cores(common + STEPS[algorithm](x), cluster)

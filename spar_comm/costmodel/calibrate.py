@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..collectives.base import CODEC_ALGORITHMS
+from ..collectives.base import CODECS
 from ..files import BadFileError, check, read_json, write_json
 from ..kernels import SELECTORS
 from .algorithms import STEPS, step_terms
@@ -134,7 +134,8 @@ def measurements(document: dict, path: str = "bench_comm JSON") -> List[Measurem
     rows = [
         Measurement(Cluster(nodes, per_node), r["algorithm"], r["size"], meta["dtype"], float(meta["density"]),
                     meta["selector"], float(r["time_median"]), float(r["t_select"]),
-                    *((meta.get("values"), meta.get("indices")) if r["algorithm"] in CODEC_ALGORITHMS else (None, None)))
+                    *(meta.get(setting) if r["algorithm"] in CODECS[setting] else None
+                      for setting in ("values", "indices")))
         for r in document["results"]
     ]
     for i, row in enumerate(rows):

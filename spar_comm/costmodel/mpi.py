@@ -159,6 +159,17 @@ def allgather(span: Span, block: float) -> Terms:
     return terms
 
 
+def alltoall(span: Span, block: float) -> Terms:
+    """Every rank sends ``block`` bytes to every other: MPICH's pairwise
+    exchange, size-1 steps, in step i to the rank i away; a node's ranks
+    whose partner lies on another node (i of them, at most all) share its link."""
+    terms = Terms()
+    for i in range(1, span.size):
+        flows = min(i, span.per_node) * span.concurrent
+        message(terms, span, block, span.nodes > 1, flows, flows * span.nodes)
+    return terms
+
+
 def bcast(span: Span, nbytes: float) -> Terms:
     terms = Terms()
     p = span.size

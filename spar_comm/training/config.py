@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from ..collectives.base import CODEC_ALGORITHMS
+from ..collectives.base import CODECS
 from ..collectives.codecs import INDICES, VALUES
 from ..memory import DEVICES  # where a run computes: cpu, gpu, or gpu-simulator (the GPU path on the CPU)
 from .density import SCHEDULES as DENSITY_SCHEDULES
@@ -92,11 +92,12 @@ class TrainConfig:
         if not 0 <= self.accordion_high <= 1 or (self.accordion_high and self.accordion_high < self.density):
             found.append(f"--accordion-high must be in [--density, 1] (or 0: ten times --density), "
                          f"got {self.accordion_high}")
-        for flag, given, known in (("--values", self.values, VALUES), ("--indices", self.indices, INDICES)):
+        for setting, given, known in (("values", self.values, VALUES), ("indices", self.indices, INDICES)):
             if given is not None and given not in known:
-                found.append(f"{flag} must be one of {', '.join(known)}, got {given!r}")
-            elif given is not None and self.algorithm not in (*CODEC_ALGORITHMS, "auto"):
-                found.append(f"{flag} applies to {', '.join(CODEC_ALGORITHMS)}, not to --algorithm {self.algorithm}")
+                found.append(f"--{setting} must be one of {', '.join(known)}, got {given!r}")
+            elif given is not None and self.algorithm not in (*CODECS[setting], "auto"):
+                found.append(f"--{setting} applies to {', '.join(CODECS[setting])}, "
+                             f"not to --algorithm {self.algorithm}")
         if self.rank != 1 and self.algorithm != "powersgd":
             found.append(f"--rank applies to --algorithm powersgd, not to --algorithm {self.algorithm}")
         if not self.accordion_eta > 0:
