@@ -57,10 +57,11 @@ def chosen_grads(seed: int, step: int):
     return [[torch.from_numpy(g) for g in np.split(f, np.cumsum(sizes)[:-1])] for f in flat]
 
 
-def hooked(model, algorithm="hitopk", density=0.1, topology=None, **options):
+def hooked(model, algorithm="hitopk", density=0.1, topology=None, settings=None, **options):
+    """``model`` in DDP (``options``) with spar_comm's hook (``settings``: its codecs and options)."""
     options.setdefault("bucket_cap_mb", CAP_MB)
     ddp = DDP(model, **options)
-    state, hook = sct.comm_hook(algorithm, density, topology=topology)
+    state, hook = sct.comm_hook(algorithm, density, topology=topology, **(settings or {}))
     ddp.register_comm_hook(state, hook)
     return ddp, state
 
@@ -102,14 +103,18 @@ def test_the_dense_hook_gives_ddps_own_mean(topology):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["topka", "gtopk", "hitopk", "hitopk_leader"])
-def test_sparse_buckets_conserve_gradient_mass_through_the_rebuild(topology, algorithm):
+@pytest.mark.parametrize("algorithm, settings", [
+    *((a, {}) for a in ["topka", "gtopk", "hitopk", "hitopk_leader"]),
+    ("hitopk", {"values": "int8", "indices": "auto"}), ("dense", {"values": "int8"}), ("powersgd", {"rank": 2}),
+], ids=str)
+def test_compressed_buckets_conserve_gradient_mass_through_the_rebuild(topology, algorithm, settings):
     """Applied updates plus every rank's residuals equal the raw gradients'
     sum after every step. Backward finishes the parameters in registration
     order, so DDP's rebuilt buckets differ from its first ones and residuals
-    move between allreducers."""
+    move between allreducers: those of top-k selection, of a lossy codec,
+    and of PowerSGD's factors alike."""
     model = Chosen(order=list(reversed(range(len(SHAPES)))))
-    ddp, state = hooked(model, algorithm, density=0.05, topology=topology)
+    ddp, state = hooked(model, algorithm, density=0.05, topology=topology, settings=settings)
     params = list(model.ps)
     raw = np.zeros(sum(p.numel() for p in params))
     applied = np.zeros_like(raw)

@@ -16,6 +16,7 @@ from spar_comm.torch.streams import tensor_device  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import ConfigError, NonFiniteGradientError  # noqa: E402
+from spar_comm.collectives.base import CODECS  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -58,13 +59,19 @@ def bucket_of(grads_of_rank, model, bucket) -> np.ndarray:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", reproducible())
-def test_every_bucket_matches_the_serial_reference(topology, algorithm):
+@pytest.mark.parametrize("algorithm, values, indices", [
+    *((a, None, None) for a in reproducible()),
+    *((a, "int8", "auto" if a in CODECS["indices"] else None) for a in CODECS["values"]),
+])
+def test_every_bucket_matches_the_serial_reference(topology, algorithm, values, indices):
+    """With a codec too; ps.4's bucket is dense (dense=), where the value codec
+    applies and the index codec does not."""
     model = Controlled()
-    opt = wrap(model, topology, algorithm=algorithm, density=0.2, selector="exact")
+    opt = wrap(model, topology, algorithm=algorithm, density=0.2, selector="exact", values=values, indices=indices,
+               dense=["ps.4"])
     assert_all(COMM, len(opt.buckets) >= 2, f"{len(opt.buckets)} buckets")
-    refs = [Reference(algorithm, COMM.size, topology.emulated_ranks_per_node, sum(p.numel() for p in b.params),
-                      "float32", 0.2) for b in opt.buckets]
+    refs = [Reference(b.reducer.name, COMM.size, topology.emulated_ranks_per_node, sum(p.numel() for p in b.params),
+                      "float32", 0.2, values=values) for b in opt.buckets]
     for step in range(3):
         grads = rank_grads(7, step)
         opt.zero_grad()

@@ -81,9 +81,10 @@ class HookState:
     and called between iterations."""
 
     def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology],
-                 error_feedback: bool):
+                 error_feedback: bool, settings: Dict[str, Any]):
         self.algorithm, self.density, self.selector = algorithm, density, selector
         self.error_feedback = error_feedback
+        self.settings = settings  # codecs and the algorithm's own options, for make_allreducer
         self.topology = topology
         self._comm: MPI.Comm = MPI.COMM_WORLD if topology is None else topology.world
         self._streams: NoStreams = NoStreams() if topology is None else streams_for(topology.memory)
@@ -153,9 +154,10 @@ class HookState:
         self._retire(lambda index: index == job.index)
         require_same(self.topology.world, f"DDP bucket {job.index}",
                      {"parameters": [(tuple(p.shape), str(p.dtype)) for p in job.params]})
+        shapes = {"shapes": [tuple(p.shape) for p in job.params]} if self.algorithm == "powersgd" else {}
         reducer = make_allreducer(self.algorithm, self.topology, job.buffer.numel(),
                                   str(job.buffer.dtype).replace("torch.", ""), self.density, self.selector,
-                                  error_feedback=self.error_feedback)
+                                  error_feedback=self.error_feedback, **self.settings, **shapes)
         bucket = self.buckets[job.index] = _Bucket(job.params, reducer)
         self._place(bucket)
         return bucket
@@ -210,7 +212,7 @@ class HookState:
         """Move the residuals of the buckets whose index ``which`` picks into the carry, and drop them."""
         for index in [i for i in self.buckets if which(i)]:
             bucket = self.buckets.pop(index)
-            if bucket.reducer.sparse and self.error_feedback:
+            if bucket.reducer.keeps_residual:
                 full = as_tensor(bucket.reducer.residual_full())
                 for i, p in enumerate(bucket.params):
                     values = bucket.residual_of(i, full)
@@ -228,7 +230,7 @@ class HookState:
         out: Dict[Coordinate, np.ndarray] = {c: v.copy() for c, v in self._loaded.items()}
         with self._streams.communicating([]):  # after the communication stream's work
             for bucket in self.buckets.values():
-                if not bucket.reducer.sparse:
+                if not bucket.reducer.keeps_residual:
                     continue
                 full = bucket.reducer.memory.to_host(bucket.reducer.residual_full())
                 for i, p in enumerate(bucket.params):
@@ -290,11 +292,16 @@ def _hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks annotations agains
 
 
 def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: str = "mstopk",
-              topology: Optional[Topology] = None, error_feedback: bool = True
+              topology: Optional[Topology] = None, error_feedback: bool = True, values: Optional[str] = None,
+              indices: Optional[str] = None, **options: Any
               ) -> Tuple[HookState, Callable[[HookState, Any], torch.futures.Future]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's
     buckets averaged by spar_comm's ``algorithm`` (one allreducer per bucket,
     with error feedback unless turned off). ``topology`` defaults to one built
     on the first bucket: on the GPU (``Topology(device="gpu")``) for CUDA
-    buckets, else on the CPU. Register it before the first backward."""
-    return HookState(algorithm, density, selector, topology, error_feedback), _hook
+    buckets, else on the CPU. ``values``, ``indices`` and ``options`` (the
+    algorithm's own, as ``powersgd``'s ``rank``) go to ``make_allreducer``;
+    ``powersgd`` gets the bucket's tensor shapes too. Register it before the
+    first backward."""
+    settings = {"values": values, "indices": indices, **options}
+    return HookState(algorithm, density, selector, topology, error_feedback, settings), _hook

@@ -113,7 +113,8 @@ class _DistributedOptimizer:
     def _spar_setup(self, named: List[Tuple[str, torch.nn.Parameter]], algorithm: str, density: float,
                     selector: str, topology: Optional[Topology], bucket_cap_mb: float,
                     backward_passes_per_step: int, dense: Sequence[Any], overlap: bool,
-                    error_feedback: bool) -> None:
+                    error_feedback: bool, values: Optional[str], indices: Optional[str],
+                    options: Dict[str, Any]) -> None:
         self.topology = topology
         self._streams = streams_for(topology.memory)
         world = self.topology.world
@@ -122,11 +123,15 @@ class _DistributedOptimizer:
         _require_same_buckets(world, [_signature(entries) for _, entries in planned])
         self.buckets: List[_Bucket] = []
         for index, (kind, entries) in enumerate(planned):
-            name = "dense" if kind == "dense" else algorithm
-            own = {"shapes": [tuple(p.shape) for _, p in entries]} if name == "powersgd" else {}  # the layers' matrices
+            if kind == "dense":  # never sparsified: only the values' codec applies
+                name, settings = "dense", {"values": values}
+            else:
+                name, settings = algorithm, {"values": values, "indices": indices, **options}
+                if name == "powersgd":
+                    settings["shapes"] = [tuple(p.shape) for _, p in entries]  # the layers' matrices
             reducer = make_allreducer(
                 name, self.topology, sum(p.numel() for _, p in entries), _DTYPES[entries[0][1].dtype], density,
-                selector, error_feedback=error_feedback, shared_buffer=True, **own,
+                selector, error_feedback=error_feedback, shared_buffer=True, **settings,
             )
             self.buckets.append(_Bucket(index, entries, reducer))
         self._comm = world.Dup()  # this class's own small collectives, never mixed with the allreducers'
@@ -338,6 +343,9 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     dense: Sequence[Any] = (),
     overlap: bool = True,
     error_feedback: bool = True,
+    values: Optional[str] = None,
+    indices: Optional[str] = None,
+    **options: Any,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies the mean of every rank's
     gradient, reduced by ``algorithm`` in buckets that overlap backward.
@@ -348,6 +356,9 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     parameters themselves) never to sparsify: embeddings, norms, heads.
     ``backward_passes_per_step=N`` accumulates N backward passes locally before
     one allreduce. ``overlap=False`` reduces every bucket at ``step()`` instead.
+    ``values`` and ``indices`` are the codecs of the messages, and ``options``
+    the algorithm's own settings (``powersgd``'s ``rank``), as for
+    ``make_allreducer``; the ``dense`` buckets take ``values`` only.
     The returned object is an instance of the optimizer's own class (so LR
     schedulers accept it) sharing its parameter groups and state; use it
     instead of ``optimizer`` from now on. Bad or disagreeing settings raise
@@ -364,7 +375,7 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
     wrapped._spar_setup(named, algorithm, density, selector, topology, bucket_cap_mb, backward_passes_per_step,
-                        dense, overlap, error_feedback)
+                        dense, overlap, error_feedback, values, indices, options)
     return wrapped
 
 
