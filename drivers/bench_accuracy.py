@@ -8,7 +8,9 @@ clipping) are meant to buy it back. This program answers how much of it they
 buy back on one workload: for every --densities value it trains --algorithm
 with each --aids set (by default: as train.py sets them, "aids on", and all
 of them off, "aids off"), and it trains dense, each with every --seeds value,
-all on the same ranks and emulated nodes. One line per cell: mean, standard
+all on the same ranks and emulated nodes; --dense-values adds dense with its
+sums in narrower values (the compressed dense baseline, as DDP's fp16 hook
+sends, with error feedback). One line per cell: mean, standard
 deviation, lowest and highest final held-out accuracy, and the mean's
 distance from dense in points. JSON goes to --out after every run, so a
 killed sweep keeps what it measured.
@@ -16,6 +18,7 @@ killed sweep keeps what it measured.
     mpiexec -n 4 python drivers/bench_accuracy.py --out accuracy.json
     mpiexec -n 4 python drivers/bench_accuracy.py --workload "--hidden 1024 --epochs 10" --seeds 0,1,2
     mpiexec -n 4 python drivers/bench_accuracy.py --aids off,mc,mc+mask,mc+warmup --workload "--epochs 3"
+    mpiexec -n 4 python drivers/bench_accuracy.py --densities 0.001 --aids on --dense-values float16,int8
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from mpi4py import MPI  # noqa: E402
 
 from spar_comm import ALGORITHMS  # noqa: E402
 from spar_comm.cli import comma_list  # noqa: E402
+from spar_comm.collectives.codecs import VALUES  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.errors import ConfigError  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
@@ -87,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "aids joined by '+' (mc: momentum correction, mask: momentum masking, warmup: DGC's density "
                         "warm-up, accordion: Accordion's density schedule), e.g. off,mc,mc+warmup,mc+accordion "
                         "(default: on,off)")
+    parser.add_argument("--dense-values", type=comma_list(str, VALUES.__contains__, f"one of {', '.join(VALUES)}"),
+                        default=[], help="also train dense with its sums in each of these value codecs, "
+                        "e.g. float16,int8 (default: none)")
     parser.add_argument("--seeds", type=comma_list(int, lambda s: s >= 0, "an integer >= 0"), default=[0, 1, 2],
                         help="initial weights and data order of each run (default: 0,1,2)")
     parser.add_argument("--workload", default="",
@@ -112,8 +119,11 @@ def base_config(workload: str, algorithm: str = "hitopk") -> TrainConfig:
 
 
 def cells(args: argparse.Namespace) -> List[Dict]:
-    """Every run: dense first, then each density with each aid set, each seed."""
+    """Every run: dense first, then dense through each value codec, then each
+    density with each aid set, each seed."""
     runs = [{"cell": DENSE, "algorithm": DENSE, "density": 1.0, "aids": None}]
+    runs += [{"cell": f"{DENSE} {values}", "algorithm": DENSE, "density": 1.0, "aids": None, "values": values}
+             for values in args.dense_values]
     for d in args.densities:
         runs += [{"cell": f"{args.algorithm} {d:g} aids {state}", "algorithm": args.algorithm, "density": d,
                   "aids": state} for state in args.aids]
@@ -122,8 +132,8 @@ def cells(args: argparse.Namespace) -> List[Dict]:
 
 def run_cell(base: TrainConfig, cell: Dict, comm: MPI.Comm) -> Dict:
     changes = dict(algorithm=cell["algorithm"], density=cell["density"], seed=cell["seed"])
-    if cell["algorithm"] == DENSE:  # dense takes no codec and no rank: a --workload's are not for it
-        changes.update(values=None, indices=None, rank=1)
+    if cell["algorithm"] == DENSE:  # a --workload's codecs and rank are not for dense; its own values are
+        changes.update(values=cell.get("values"), indices=None, rank=1)
     if cell["aids"]:
         changes.update(aid_changes(cell["aids"], base))
     summary = train(dataclasses.replace(base, **changes), comm)

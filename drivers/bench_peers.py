@@ -11,6 +11,9 @@ figures are medians of the timed rounds after warm-up.
   ddp_fp16           DDP + fp16_compress_hook
   ddp_powersgd_r1/4  DDP + powerSGD_hook at rank 1 and 4 (compressing from its step 2)
   spar_<algorithm>   spar_comm.torch.DistributedOptimizer with each algorithm, and auto
+  spar_dense_float16 spar_comm's dense sum in float16 (against ddp_fp16), with error feedback
+  spar_dense_int8    ... in int8 blocks (ZeRO++'s qgZ)
+  spar_hitopk_int8   hitopk with int8 values and automatic indices
   spar_hook          DDP + spar_comm.torch.comm_hook (hitopk)
   no_comm            the same step with no communication: the floor
 
@@ -74,7 +77,11 @@ POWERSGD_RANKS = (1, 4)
 MIN_COMPRESSION_RATE = 2
 #: torch's own modes, each run in a process of its own.
 PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
-MODES = (*PEERS, *(f"spar_{a}" for a in (*ALGORITHMS, "auto")), "spar_hook", "no_comm")
+#: spar_comm's modes through DistributedOptimizer: (algorithm, values, indices).
+SPAR = {**{f"spar_{a}": (a, None, None) for a in (*ALGORITHMS, "auto")},
+        "spar_dense_float16": ("dense", "float16", None), "spar_dense_int8": ("dense", "int8", None),
+        "spar_hitopk_int8": ("hitopk", "int8", "auto")}
+MODES = (*PEERS, *SPAR, "spar_hook", "no_comm")
 #: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
 STARTUP_SECONDS = 120
 
@@ -231,9 +238,10 @@ def build(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topolog
         if not dist.is_initialized():
             sct.init_process_group("gloo", comm=topology.world, timeout=datetime.timedelta(seconds=args.peer_timeout))
         return build_ddp(mode, replica, args, topology)
+    algorithm, values, indices = SPAR[mode]
     opt = sct.DistributedOptimizer(sgd(replica.parameters()), replica.named_parameters(),
-                                   algorithm=mode[len("spar_"):], density=args.density, topology=topology,
-                                   bucket_cap_mb=args.bucket_cap_mb)
+                                   algorithm=algorithm, density=args.density, topology=topology,
+                                   bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices)
     chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
                   f"chose {chosen}" if mode == "spar_auto" else "")

@@ -26,20 +26,23 @@ def accuracy_of(result) -> float:
 def test_each_cell_is_the_train_py_run_of_its_flags(run_driver, tmp_path):
     out = tmp_path / "accuracy.json"
     result = run_driver("bench_accuracy.py", "--densities", "0.05", "--seeds", "0,1", "--workload", "--epochs 2",
-                        "--out", out, ranks=2, timeout=300)
+                        "--dense-values", "int8", "--out", out, ranks=2, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     runs = json.loads(out.read_text())["runs"]
     assert [(r["cell"], r["seed"]) for r in runs] == [
-        (cell, seed) for cell in ("dense", "hitopk 0.05 aids on", "hitopk 0.05 aids off") for seed in (0, 1)]
+        (cell, seed) for cell in ("dense", "dense int8", "hitopk 0.05 aids on", "hitopk 0.05 aids off")
+        for seed in (0, 1)]
     pick = {(r["cell"], r["seed"]): r["final_metric"] for r in runs}
     common = ["--epochs", "2", "--trace", "", "--no-progress"]
     dense = run_driver("train.py", "--algorithm", "dense", "--seed", "1", *common, ranks=2)
     aided = run_driver("train.py", "--algorithm", "hitopk", "--density", "0.05", "--seed", "0", *common, ranks=2)
     plain = run_driver("train.py", "--algorithm", "hitopk", "--density", "0.05", "--seed", "1", *common,
                        *AIDS_OFF_FLAGS, ranks=2)
+    narrow = run_driver("train.py", "--algorithm", "dense", "--values", "int8", "--seed", "0", *common, ranks=2)
     assert accuracy_of(dense) == pytest.approx(pick[("dense", 1)], abs=5e-5)
     assert accuracy_of(aided) == pytest.approx(pick[("hitopk 0.05 aids on", 0)], abs=5e-5)
     assert accuracy_of(plain) == pytest.approx(pick[("hitopk 0.05 aids off", 1)], abs=5e-5)
+    assert accuracy_of(narrow) == pytest.approx(pick[("dense int8", 0)], abs=5e-5)
     assert "hitopk 0.05 aids off" in result.stdout.splitlines()[-1]
 
 
@@ -81,6 +84,7 @@ def test_an_aid_set_switches_on_what_it_names_and_off_the_rest():
     (["--workload=--no-such-flag"], "unrecognized arguments"),
     (["--densities", "0.01,2"], "--densities"),
     (["--algorithm", "dense"], "--algorithm"),
+    (["--dense-values", "float16,int4"], "--dense-values"),
 ])
 def test_bad_arguments_exit_2_on_every_rank(run_driver, args, words):
     result = run_driver("bench_accuracy.py", *args, ranks=2)

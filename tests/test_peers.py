@@ -86,5 +86,9 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
     # as spar_comm's own dense counts it.
     assert ok["ddp"]["bytes_inter"] == ok["spar_dense"]["bytes_inter"] == 4 * document["parameters"]
     assert 0 < ok["spar_hitopk"]["bytes_inter"] < ok["ddp"]["bytes_inter"] / 10
+    # Half of that in float16 (chunks padded to 8 bytes), about a quarter in int8 blocks.
+    assert 0 <= ok["spar_dense_float16"]["bytes_inter"] - ok["ddp"]["bytes_inter"] / 2 < 1024
+    assert ok["ddp"]["bytes_inter"] / 4 < ok["spar_dense_int8"]["bytes_inter"] < ok["ddp"]["bytes_inter"] / 3.9
+    assert 0 < ok["spar_hitopk_int8"]["bytes_inter"] < ok["spar_hitopk"]["bytes_inter"]
     assert 0 < ok["ddp_powersgd_r1"]["bytes_inter"] < ok["ddp_powersgd_r4"]["bytes_inter"] < ok["ddp"]["bytes_inter"]
     assert "failed" in run.stdout and "spar_hitopk" in run.stdout and png.stat().st_size > 0
