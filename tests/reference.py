@@ -49,7 +49,8 @@ def round_int8_blocks(v: np.ndarray, block: int = 256) -> np.ndarray:
         b = np.clip(v[start : start + block], -big, big).astype(np.float32)
         scale = np.float32(np.abs(b).max() / np.float32(127)) if b.size else np.float32(0)
         steps = np.clip(np.rint(b / scale), -127, 127) if scale > 0 else np.zeros_like(b)
-        out[start : start + block] = (steps.astype(np.float32) * scale).astype(v.dtype)
+        exact = steps.astype(np.float64) * np.float64(scale)
+        out[start : start + block] = np.clip(exact, -big, big).astype(np.float32).astype(v.dtype)
     return out
 
 
@@ -110,7 +111,7 @@ class Reference:
     # -- the algorithms ----------------------------------------------------------------
     def _coded(self, ranks: List[int], parts: List[np.ndarray], lo: int) -> np.ndarray:
         """The sum over ``ranks`` of ``parts`` (each at positions ``lo`` onwards),
-        sent through the value codec as coded.py sends it: each rank's part in
+        sent through the value codec as sums.py sends it: each rank's part in
         len(ranks) chunks, rounded, its rounding kept; each chunk's owner sums the
         rounded chunks in rank order, rounds that sum and keeps its rounding too."""
         length, q = len(parts[0]), len(ranks)

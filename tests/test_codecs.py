@@ -47,6 +47,8 @@ def test_large_values_saturate_instead_of_becoming_inf():
     v = np.array([1e6, -7e4, 3.0e38, -3.4e38], np.float32)
     assert np.array_equal(round_trip("float16", v), np.array([65504, -65504, 65504, -65504], np.float32))
     assert np.isfinite(round_trip("bfloat16", v)).all()
+    largest = np.finfo(np.float32).max  # 127 steps of largest/127 round to Inf in float32 arithmetic
+    assert np.array_equal(round_trip("int8", np.array([largest, -largest], np.float32)), [largest, -largest])
 
 
 def test_int8_blocks_keep_each_value_within_half_a_step():
