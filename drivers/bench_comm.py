@@ -38,7 +38,7 @@ import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density  # noqa: E402
-from spar_comm.collectives.base import CODECS, DTYPES  # noqa: E402
+from spar_comm.collectives.checks import CODECS, DTYPES  # noqa: E402
 from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.files import write_json  # noqa: E402

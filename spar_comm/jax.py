@@ -26,7 +26,7 @@ from jax.experimental import io_callback
 from jax.flatten_util import ravel_pytree
 
 from .collectives import Allreducer, make_allreducer
-from .collectives.base import DTYPES
+from .collectives.checks import DTYPES
 from .collectives.feedback import Residual
 from .consensus import raise_if_any
 from .errors import GradientError, SparCommError

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from mpi_helpers import assert_all, assert_identical_bits
 from reference import Reference
 from spar_comm import ConfigError, make_allreducer
-from spar_comm.collectives.base import CODECS
+from spar_comm.collectives.checks import CODECS
 from spar_comm.collectives.codecs import VALUES
 from test_collectives_mpi import integer_grads
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spar_comm import ALGORITHMS
-from spar_comm.collectives.base import CODECS
+from spar_comm.collectives.checks import CODECS
 from spar_comm.costmodel import (CPU, GPU, CalibrationError, Cluster, Machine, Measurement, fastest, fit,
                                  gbps_to_beta, load, predict, relative_errors, step_terms)
 from spar_comm.costmodel import mpi

@@ -23,7 +23,7 @@ from mpi4py import MPI  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import ConfigError, GradientError, NonFiniteGradientError, Topology  # noqa: E402
-from spar_comm.collectives.base import CODECS  # noqa: E402
+from spar_comm.collectives.checks import CODECS  # noqa: E402
 from spar_comm.jax import sparse_allreduce, unwrap_errors  # noqa: E402
 
 COMM = MPI.COMM_WORLD

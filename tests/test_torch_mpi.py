@@ -16,7 +16,7 @@ from spar_comm.torch.streams import tensor_device  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import ConfigError, NonFiniteGradientError  # noqa: E402
-from spar_comm.collectives.base import CODECS  # noqa: E402
+from spar_comm.collectives.checks import CODECS  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD

@@ -1,20 +1,20 @@
-"""What every allreducer shares: settings checked across ranks, the per-call
-gradient check, the pieces it is built from, and the ``.last`` figures.
+"""What every allreducer shares: its settings agreed across ranks, the pieces
+it is built from, the call itself, and the ``.last`` figures.
 
 An allreducer is a communication pattern (its own module) put together from
 pieces with one job each: a selector (``kernels``, through ``select``) or
 another compressor, a value codec and an index codec (``codecs.py``: how
 the payload looks on the wire), error feedback (``feedback.py``: what was
 not sent, or sent inexactly) and channels (``channel.py``: MPI calls that
-keep the books).
+keep the books). What it refuses is in ``checks.py``.
 
 A subclass implements ``_reduce(grad) -> flat array`` (the sum over ranks,
 divided by their number through ``averaged`` when averaging), taking its
 result array from ``output`` once it has read ``grad`` for the last time (the
 caller may pass ``out=grad``), and says where its residual lives
-(``feedback.cover``); the rest is here. Arrays are made through ``self.xp``, the namespace of the memory the
-topology put the rank in (NumPy, or CuPy on a GPU; see ``memory.py``), so one
-implementation of each algorithm serves both.
+(``feedback.cover``); the rest is here. Arrays are made through ``self.xp``,
+the namespace of the memory the topology put the rank in (NumPy, or CuPy on
+a GPU; see ``memory.py``), so one implementation of each algorithm serves both.
 
 Subclasses work in ``self.dtype``, the dtype of sums, residuals and messages.
 A float16 or bfloat16 gradient (``grad_dtype``) is widened to float32 on the
@@ -24,32 +24,21 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
 from ..consensus import raise_if_any, require_same
-from ..errors import ConfigError, GradientError, NonFiniteGradientError
 from ..launch import abort_job
-from ..memory import HostMemory
 from ..topology import Topology
 from .channel import Channel
-from .codecs import INDICES, VALUES, make_codec, make_index_codec
+from .checks import BAD_OUT, BAD_STATE, problems_of, refusal, settings_problem
+from .codecs import make_codec, make_index_codec
 from .feedback import ErrorFeedback, Residual
 from .pairs import PairExchange
 from .shm import MessageReduceScatter, node_reduce_scatter
-
-#: Gradient dtypes; NumPy knows bfloat16 through ml_dtypes.
-DTYPES = ("float32", "float64", "float16", "bfloat16")
-#: Indices travel as int32 positions within a shard.
-MAX_SHARD = 2**31 - 1
-#: The algorithms whose messages travel through codecs, by setting: the values
-#: of every message (``values=``), the positions of (index, value) pairs (``indices=``).
-CODECS = {"values": ("dense", "hier_dense", "topka", "hitopk", "hitopk_leader"),
-          "indices": ("topka", "hitopk", "hitopk_leader")}
 
 
 def sum_dtype(dtype: Any) -> np.dtype:
@@ -67,45 +56,6 @@ def selection_size(density: float, length: int) -> int:
     that k does not depend on binary rounding (0.01*300 is not 3 in floats).
     """
     return min(length, max(1, math.ceil(Fraction(repr(float(density))) * length)))
-
-
-# The per-call check: each problem is a bit, gathered from every rank.
-_PROBLEMS = {
-    1: "not {kind}",
-    2: "not 1-D (allreduce takes the flat fused buffer)",
-    4: "wrong length",
-    8: "wrong dtype",
-    16: "not contiguous",
-    32: "non-finite values (NaN or Inf)",
-    64: "out is not a 1-D contiguous array of the gradient's length and dtype",
-    128: "the state is not a Residual of this rank's span, length and dtype (see residual_state)",
-}
-_NON_FINITE = 32
-_STATE = 128
-
-
-def _problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMemory) -> int:
-    """The problems of a gradient and ``out`` already adopted by ``memory`` (None
-    where that failed), as bits of ``_PROBLEMS``."""
-    if grad is None:
-        return 1
-    code = 0
-    if out is not None and not (
-        memory.is_array(out) and out.shape == (size,) and out.dtype == dtype and out.flags.c_contiguous
-        and getattr(out.flags, "writeable", True)  # CuPy arrays are always writable
-    ):
-        code |= 64
-    if grad.ndim != 1:
-        code |= 2
-    elif grad.size != size:
-        code |= 4
-    if grad.dtype != dtype:
-        code |= 8
-    if not grad.flags.c_contiguous:
-        code |= 16
-    if code == 0 and not memory.all_finite(grad):
-        code |= _NON_FINITE
-    return code
 
 
 class Allreducer:
@@ -140,25 +90,10 @@ class Allreducer:
         options: Optional[Dict[str, Any]] = None,
     ):
         world = topology.world
-        problem = _check_settings(size, dtype, density, selector, dict(selector_options or {}), self.sparse,
-                                  topology.memory)
-        if problem is None and not isinstance(shared_buffer, bool):
-            problem = f"shared_buffer must be True or False, got {shared_buffer!r}"
-        for setting, given, known in (("values", values, VALUES), ("indices", indices, INDICES)):
-            if problem is None and given is not None:
-                if given not in known:
-                    problem = f"{setting} must be one of {', '.join(known)}, got {given!r}"
-                elif self.name not in CODECS[setting]:
-                    problem = (f"{setting}={given!r}: {self.name} takes no {setting} codec; "
-                               f"{setting} codecs apply to {', '.join(CODECS[setting])}")
-        unknown = sorted(set(options or {}) - set(type(self).options))
-        if problem is None and unknown:
-            known = ", ".join(type(self).options) or "none"
-            problem = f"{self.name} takes no option {', '.join(map(repr, unknown))} (its options: {known})"
         merged = {**type(self).options, **(options or {})}
-        if problem is None:
-            problem = self.check_options(int(size), merged)
-        raise_if_any(world, problem)
+        raise_if_any(world, settings_problem(type(self), size, dtype, density, selector, dict(selector_options or {}),
+                                             shared_buffer, {"values": values, "indices": indices}, merged,
+                                             topology.memory))
         require_same(
             world,
             "allreducer settings",
@@ -347,8 +282,7 @@ class Allreducer:
     def keeps_residual(self) -> bool:
         """Whether this rank keeps a residual: error feedback is on, and the rank
         compresses something (a selection, a lossy codec, a low-rank factor)."""
-        lo, hi = self.feedback.state.span
-        return hi > lo
+        return self.feedback.on
 
     def residual_full(self) -> Any:
         """This rank's residual in global coordinates (zeros elsewhere), in
@@ -418,49 +352,11 @@ class Allreducer:
     def _check(self, grad: Any, out: Any, out_given: bool, state: Optional[Residual]) -> None:
         """Gather every rank's verdict on its (adopted) gradient, ``out`` and
         ``state``; raise alike on all ranks."""
-        self._code[0] = _problems_of(grad, out, self.size, self.grad_dtype, self.memory)
+        self._code[0] = problems_of(grad, out, self.size, self.grad_dtype, self.memory)
         if out_given and out is None:  # given, but not an array of this memory
-            self._code[0] |= 64
+            self._code[0] |= BAD_OUT
         if state is not None and not self.feedback.fits(state, self.memory):
-            self._code[0] |= _STATE
+            self._code[0] |= BAD_STATE
         self.topology.world.Allgather(self._code, self._codes)
-        if not self._codes.any():
-            return
-        parts: List[str] = []
-        for rank in np.flatnonzero(self._codes):
-            names = [text.format(kind=self.memory.kind) for bit, text in _PROBLEMS.items() if self._codes[rank] & bit]
-            parts.append(f"rank {rank}: " + ", ".join(names))
-        if (self._codes & _STATE).any():  # a state restored on another rank or layout
-            error = ConfigError
-        else:
-            error = NonFiniteGradientError if (self._codes | _NON_FINITE).max() == _NON_FINITE else GradientError
-        raise error(
-            f"{self.name} allreduce refused the gradient (expected 1-D contiguous "
-            f"{self.grad_dtype.name} of length {self.size}; nothing was changed): " + "; ".join(parts)
-        )
-
-
-def _check_settings(size: Any, dtype: Any, density: Any, selector: str, selector_options: Dict[str, Any],
-                    sparse: bool, memory: HostMemory) -> Optional[str]:
-    """A message for the first bad setting, or None."""
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-        return f"size must be a positive integer, got {size!r}"
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        return f"dtype {dtype!r} is not a NumPy dtype"
-    if name not in DTYPES:
-        return f"dtype must be one of {', '.join(DTYPES)}, got {name}"
-    if name == "bfloat16" and not memory.in_host_memory:
-        return "bfloat16 gradients are host arrays only (CuPy has no bfloat16); use float16 on the GPU"
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
-        return f"density must be in (0, 1], got {density!r}"
-    if selector not in kernels.SELECTORS:
-        return f"unknown selector {selector!r}; known: {', '.join(sorted(kernels.SELECTORS))}"
-    if sparse and size > MAX_SHARD:
-        return f"size {size} exceeds {MAX_SHARD}: sparse indices travel as int32"
-    try:  # built here on every rank, so that bad options are refused everywhere alike
-        memory.selector(selector, selector_options)
-    except (TypeError, ValueError) as error:
-        return f"selector {selector!r} refused its options {selector_options!r}: {error}"
-    return None
+        if self._codes.any():
+            raise refusal(self.name, self._codes, self.memory.kind, self.grad_dtype, self.size)

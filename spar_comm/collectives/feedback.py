@@ -31,17 +31,19 @@ class Residual:
 class ErrorFeedback:
     """The residual of one allreducer, and the three things compressors do with it.
 
-    With feedback off, ``add`` returns the fresh values themselves, and the
-    other two do nothing: what is not sent is dropped.
+    Feedback is ``on`` once an algorithm asked for it (``wanted``) and said
+    what to ``cover``. Off, ``add`` returns the fresh values themselves, and
+    the other two do nothing: what is not sent is dropped.
     """
 
-    def __init__(self, on: bool, xp: Any, dtype: np.dtype):
-        self.on, self.xp, self.dtype = bool(on), xp, np.dtype(dtype)
+    def __init__(self, wanted: bool, xp: Any, dtype: np.dtype):
+        self.wanted, self.on, self.xp, self.dtype = bool(wanted), False, xp, np.dtype(dtype)
         self.state = Residual((0, 0), xp.zeros(0, dtype=self.dtype))
 
     def cover(self, lo: int, hi: int) -> None:
-        """Keep a residual over ``[lo, hi)`` of the global vector (with feedback on)."""
-        if self.on:
+        """Keep a residual over ``[lo, hi)`` of the global vector (when feedback is wanted)."""
+        if self.wanted:
+            self.on = True
             self.state = Residual((lo, hi), self.xp.zeros(hi - lo, dtype=self.dtype))
 
     @property

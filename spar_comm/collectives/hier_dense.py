@@ -2,7 +2,7 @@
 
 Only 1/local_size of the vector crosses nodes from each rank, and every node
 link carries the node's share once. A lossy value codec applies to the rail
-Allreduce, where the bytes cross nodes (``coded.py``); inside the node the
+Allreduce, where the bytes cross nodes (``sums.py``); inside the node the
 sums stay exact.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from ..topology import shard_bounds
 from .base import Allreducer
-from .coded import CodedAllreduce
+from .sums import dense_sum
 
 
 class HierDenseAllreducer(Allreducer):
@@ -22,24 +22,21 @@ class HierDenseAllreducer(Allreducer):
         self.node_reduce_scatter()
         self.lo, _ = topology.owned_range(self.size)
         self.region = self.xp.empty(self.counts[self.local.rank], dtype=self.dtype)
-        self.rails = []  # (my slice of the region for rail j, its channel, its coded sum or None)
+        self.rails = []  # (my part of the region for shard j, its sum over shard j's rail)
         for j, comm in topology.rails.items():
             lo, hi = shard_bounds(self.size, topology.shards_per_node, j)
-            rail = self.channel(comm, spans_nodes=True)
-            coded = CodedAllreduce(rail, hi - lo, self.dtype, self.codec) if self.codec.lossy else None
-            self.rails.append((slice(lo - self.lo, hi - self.lo), rail, coded))
+            summed = dense_sum(self.channel(comm, spans_nodes=True), hi - lo, self.dtype, self.codec)
+            self.rails.append((slice(lo - self.lo, hi - self.lo), summed))
         if self.codec.lossy:
             self.feedback.cover(self.lo, self.lo + len(self.region))
 
     def _reduce(self, grad: Any) -> Any:
         region = self.region
         self.reduce_scatter(grad, region)
-        acc = self.feedback.add(region) if self.codec.lossy else region
-        for part, rail, coded in self.rails:
-            if coded is None:
-                rail.allreduce(region[part])
-            else:
-                coded(acc[part], region[part], self.feedback)
+        acc = self.feedback.add(region)  # the region itself unless a residual is kept
+        for part, summed in self.rails:
+            mine = region[part]
+            summed(mine if acc is region else acc[part], mine, self.feedback)
         out = self.output(zeroed=False)
         self.local.allgatherv(self.averaged(region), out, self.counts)
         self.last["k"] = self.size

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional
 
 from ..collectives import ALGORITHMS
-from ..collectives.base import CODECS
+from ..collectives.checks import CODECS
 from .algorithms import STEPS, step_terms
 from .calibrate import CalibrationError, Measurement, fit, load, relative_errors, save
 from .machine import CPU, GPU, PRESETS, Cluster, Machine, beta_to_gbps, gbps_to_beta

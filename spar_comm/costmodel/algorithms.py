@@ -61,11 +61,11 @@ class Shape:
 
     @property
     def lossy(self) -> bool:
-        """Whether the value codec rounds (and dense sums go through ``coded.py``)."""
+        """Whether the value codec rounds (and dense sums go through ``sums.py``)."""
         return make_codec(self.values, np.dtype(f"f{self.s}"), np).lossy
 
     def coded_sum(self, span: Span, length: int) -> Terms:
-        """``coded.py``'s sum of ``length`` elements over ``span``: an Alltoall and an
+        """``sums.py``'s coded sum of ``length`` elements over ``span``: an Alltoall and an
         Allgather of a chunk's encoded bytes, and about six local passes (the
         residual add, the copy into chunks, encoding, decoding, the sum, the output)."""
         chunk = math.ceil(length / span.size)
@@ -180,7 +180,7 @@ def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float3
                indices: Optional[str] = None) -> Terms:
     """All the terms of one allreduce call of ``algorithm`` (a 16-bit gradient is
     reduced and sent in float32, so it costs as one); ``values`` and ``indices``
-    are the codecs of the messages (``base.CODECS``)."""
+    are the codecs of the messages (``checks.CODECS``)."""
     x = Shape(cluster, size, sum_dtype(dtype).itemsize, density, selector, values, indices)
     common = Terms(overhead=1, gamma=x.nbytes) + mpi.allgather(x.world, 4)  # check, final average
     return on_cores(common + STEPS[algorithm](x), cluster)

@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..collectives.base import CODECS
+from ..collectives.checks import CODECS
 from ..files import BadFileError, check, read_json, write_json
 from ..kernels import SELECTORS
 from .algorithms import STEPS, step_terms

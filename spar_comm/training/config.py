@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from ..collectives.base import CODECS
+from ..collectives.checks import CODECS
 from ..collectives.codecs import INDICES, VALUES
 from ..memory import DEVICES  # where a run computes: cpu, gpu, or gpu-simulator (the GPU path on the CPU)
 from .density import SCHEDULES as DENSITY_SCHEDULES
