@@ -132,14 +132,19 @@ class Int8Blocks(Exact):
         raw[4 * n : 4 * n + k].view(np.int8)[...] = xp.clip(steps, -127, 127).reshape(-1)[:k].astype(np.int8)
 
     def decode(self, raw: Any, k: int) -> Any:
-        """Each step times its block's scale, rounded once to float32 (the float64
-        product of 8 and 24 significant bits is exact) and saturated there: at a
-        scale near float32's largest value, 127 steps would otherwise round to Inf."""
-        xp, n = self.xp, self.blocks(k)
-        scales = self._part(raw, 0, 4 * n).view(np.float32).astype(np.float64)
-        steps = self._part(raw, 4 * n, 4 * n + k).view(np.int8).astype(np.float64)
-        values = xp.clip(steps * xp.repeat(scales, BLOCK, axis=1)[:, :k], -_FLOAT32_MAX, _FLOAT32_MAX)
-        return values.astype(np.float32).astype(self.dtype)
+        """Each step times its block's scale in float32, saturated: at a scale near
+        float32's largest value, 127 steps round to Inf, which becomes that value."""
+        xp, n, whole = self.xp, self.blocks(k), k // BLOCK
+        scales = self._part(raw, 0, 4 * n).view(np.float32)
+        steps = self._part(raw, 4 * n, 4 * n + k).view(np.int8)
+        records = steps.shape[0]
+        values = xp.empty(steps.shape, np.float32)
+        full = values[:, : whole * BLOCK].reshape(records, whole, BLOCK)
+        with np.errstate(over="ignore"):  # Inf is clipped below (CuPy does not warn)
+            xp.multiply(steps[:, : whole * BLOCK].reshape(records, whole, BLOCK), scales[:, :whole, None], out=full)
+            xp.multiply(steps[:, whole * BLOCK :], scales[:, whole:], out=values[:, whole * BLOCK :])  # a part block
+        xp.clip(values, -_FLOAT32_MAX, _FLOAT32_MAX, out=values)
+        return values.astype(self.dtype, copy=False)
 
 
 def make_codec(name: Optional[str], dtype: Any, xp: Any) -> Exact:

@@ -66,11 +66,12 @@ class Shape:
 
     def coded_sum(self, span: Span, length: int) -> Terms:
         """``sums.py``'s coded sum of ``length`` elements over ``span``: an Alltoall and an
-        Allgather of a chunk's encoded bytes, and about six local passes (the
-        residual add, the copy into chunks, encoding, decoding, the sum, the output)."""
+        Allgather of a chunk's encoded bytes, and about ten local passes (the
+        residual add, the copy into chunks, encoding, decoding what this rank
+        sent and what it got, the rounding kept, the sum, the output)."""
         chunk = math.ceil(length / span.size)
         block = up8(make_codec(self.values, np.dtype(f"f{self.s}"), np).nbytes(chunk))
-        return Terms(gamma=6 * length * self.s) + mpi.alltoall(span, block) + mpi.allgather(span, block)
+        return Terms(gamma=10 * length * self.s) + mpi.alltoall(span, block) + mpi.allgather(span, block)
 
     def wire(self, k: int, span: int) -> int:
         """Bytes of a record of k pairs within ``span`` through the codecs (``pairs`` without them)."""
