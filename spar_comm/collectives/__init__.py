@@ -6,7 +6,8 @@ from typing import Any, Dict, Type
 from ..consensus import raise_if_any, require_same
 from ..topology import Topology
 from .adasum import AdasumAllreducer
-from .base import Allreducer, selection_size
+from .base import Allreducer
+from .topk import selection_size
 from .dense import DenseAllreducer
 from .gtopk import GTopKAllreducer
 from .hier_dense import HierDenseAllreducer

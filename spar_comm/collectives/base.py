@@ -2,8 +2,8 @@
 it is built from, the call itself, and the ``.last`` figures.
 
 An allreducer is a communication pattern (its own module) put together from
-pieces with one job each: a selector (``kernels``, through ``select``) or
-another compressor, a value codec and an index codec (``codecs.py``: how
+pieces with one job each: a compressor (``topk.py``: a selector and its k,
+or a low-rank factorisation), a value codec and an index codec (``codecs.py``: how
 the payload looks on the wire), error feedback (``feedback.py``: what was
 not sent, or sent inexactly) and channels (``channel.py``: MPI calls that
 keep the books). What it refuses is in ``checks.py``.
@@ -23,13 +23,11 @@ way in and its result rounded back once on the way out.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
 from ..consensus import raise_if_any, require_same
 from ..launch import abort_job
 from ..topology import Topology
@@ -39,6 +37,7 @@ from .codecs import make_codec, make_index_codec
 from .feedback import ErrorFeedback, Residual
 from .pairs import PairExchange
 from .shm import MessageReduceScatter, node_reduce_scatter
+from .topk import TopK, selection_size
 
 
 def sum_dtype(dtype: Any) -> np.dtype:
@@ -47,15 +46,6 @@ def sum_dtype(dtype: Any) -> np.dtype:
     which MPI has no type for), the dtype itself otherwise."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
-
-
-def selection_size(density: float, length: int) -> int:
-    """k for a vector of ``length``: ``max(1, ceil(density*length))``, at most ``length``.
-
-    The density is taken as the decimal the user wrote (0.01 is 1/100), so
-    that k does not depend on binary rounding (0.01*300 is not 3 in floats).
-    """
-    return min(length, max(1, math.ceil(Fraction(repr(float(density))) * length)))
 
 
 class Allreducer:
@@ -161,14 +151,17 @@ class Allreducer:
         """A message for the first bad option of this algorithm, or None."""
         return None
 
+    def top_k(self, span: int) -> TopK:
+        """The compressor of one selection site, a span of ``span`` elements."""
+        selector = self.memory.selector(self.selector_name, self.selector_options)
+        return TopK(selector, selection_size(self.density, span), self.feedback, self.memory, self.last)
+
     def pair_exchange(self, channel: Channel, k: int, span: int) -> PairExchange:
         """The exchange of k pairs a rank over ``channel``, positions within a span
-        of ``span``, through this allreducer's value and index codecs."""
-        return PairExchange(channel, k, self.dtype, self.codec, make_index_codec(self.index_codec, k, span, self.xp))
-
-    def new_selector(self) -> kernels.Selector:
-        """One selector per selection site, since a selector may keep state."""
-        return self.memory.selector(self.selector_name, self.selector_options)
+        of ``span``, through this allreducer's value and index codecs; what the
+        value codec rounds away goes back to error feedback."""
+        return PairExchange(channel, k, self.dtype, self.codec, make_index_codec(self.index_codec, k, span, self.xp),
+                            self.feedback)
 
     def output(self, zeroed: bool) -> Any:
         """The result array: the caller's ``out`` or a new one, zero-filled when
@@ -187,27 +180,6 @@ class Allreducer:
         if self.average and self.world.size > 1:
             values /= self.world.size
         return values
-
-    def select(self, selector: kernels.Selector, acc: Any, k: int) -> Tuple[Any, Any]:
-        """Pick k entries of ``acc``; return (indices, values) and leave the rest in
-        ``acc`` (the residual) when error feedback is on."""
-        if k == 0:  # an empty shard (fewer elements than shards)
-            return self.xp.zeros(0, dtype=np.int64), acc[:0].copy()
-        start = self.memory.now()
-        indices = selector(acc, k)
-        values = acc[indices]
-        self.feedback.forget(acc, indices)
-        self.last["t_select"] += self.memory.now() - start
-        self.last["k"] += len(indices)
-        if len(values):
-            self.last["threshold"] = min(self.last["threshold"], float(self.xp.abs(values).min()))
-        return indices, values
-
-    def keep_rounding(self, acc: Any, indices: Any, values: Any, sent: Any) -> None:
-        """Return what this allreducer's codec rounded away to the residual ``acc``
-        (which ``select`` cleared at ``indices``), so that the sent values plus
-        the residual are exactly the selected values (``ErrorFeedback.keep_rounding``)."""
-        self.feedback.keep_rounding(acc, indices, values, sent, self.codec.lossy)
 
     # -- the public interface ----------------------------------------------------------
     @property

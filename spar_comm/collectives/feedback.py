@@ -63,17 +63,14 @@ class ErrorFeedback:
         if self.on:
             acc[indices] = 0
 
-    def keep_rounding(self, acc: Any, indices: Any, values: Any, sent: Any, lossy: bool) -> None:
+    def keep_rounding(self, acc: Any, indices: Any, values: Any, sent: Any) -> None:
         """Keep in ``acc`` what a lossy codec rounded away from ``values`` (sent as
-        ``sent``), at ``indices``, or everywhere when ``indices`` is None. The
+        ``sent``) at ``indices`` (a slice, or positions). The
         difference is exact, since a value and its rounding lie within a factor
         of two (Sterbenz), except where float16 saturates a value beyond 65504:
         that difference is rounded like any sum."""
-        if lossy and self.on:
-            if indices is None:
-                acc[...] = values - sent
-            else:
-                acc[indices] = values - sent
+        if self.on:
+            acc[indices] = values - sent
 
     def fits(self, state: Residual, memory: Any) -> bool:
         """Whether ``state`` may stand in for this allreducer's residual: the same

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 from ..kernels import sorted_distinct
-from .base import Allreducer, selection_size
+from .base import Allreducer
 from .pairs import PairLayout
 
 _TAG = 0x6770
@@ -27,16 +27,15 @@ class GTopKAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.k = selection_size(self.density, self.size)
-        self.layout = PairLayout(self.k, self.dtype, self.xp)
+        self.topk = self.top_k(self.size)
+        self.layout = PairLayout(self.topk.k, self.dtype, self.xp)
         self.buf = self.layout.empty()
-        self.selector = self.new_selector()
         self.keep_largest = self.memory.selector("exact", {})  # the merge's pick
         self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:
         acc = self.feedback.add(grad)
-        indices, values = self.select(self.selector, acc, self.k)
+        indices, values = self.topk(acc)
         rank, p = self.world.rank, self.world.size
         step = 1
         while step < p:
@@ -71,7 +70,7 @@ class GTopKAllreducer(Allreducer):
         summed = xp.zeros(union.size, dtype=self.dtype)
         summed[xp.searchsorted(union, ia)] += va
         summed[xp.searchsorted(union, ib)] += vb
-        keep = self.keep_largest(summed, self.k)
+        keep = self.keep_largest(summed, self.topk.k)
         if self.error_feedback:
             dropped = xp.ones(union.size, dtype=bool)
             dropped[keep] = False

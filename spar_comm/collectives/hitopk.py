@@ -18,20 +18,19 @@ import numpy as np
 
 from ..kernels import sorted_distinct
 from ..topology import shard_bounds
-from .base import Allreducer, selection_size
+from .base import Allreducer
 from .channel import displacements
 from .pairs import PairLayout
 
 
 class _Site:
-    """One selection site: a shard I own, its rail, buffers and selector."""
+    """One selection site: a shard I own, its compressor and its rail's exchange."""
 
     def __init__(self, owner: "HiTopKAllreducer", j: int, rail):
         lo, hi = shard_bounds(owner.size, owner.topology.shards_per_node, j)
         self.lo, self.hi = lo - owner.lo, hi - owner.lo  # within my region
-        self.k = selection_size(owner.density, hi - lo)
-        self.exchange = owner.pair_exchange(rail, self.k, hi - lo)
-        self.selector = owner.new_selector()
+        self.topk = owner.top_k(hi - lo)
+        self.exchange = owner.pair_exchange(rail, self.topk.k, hi - lo)
 
 
 class HiTopKAllreducer(Allreducer):
@@ -53,7 +52,7 @@ class HiTopKAllreducer(Allreducer):
 
     def _reduce(self, grad: Any) -> Any:
         acc = self._node_sum_with_residual(grad)
-        picks = [self.select(site.selector, acc[site.lo : site.hi], site.k) for site in self.sites]
+        picks = [site.topk(acc[site.lo : site.hi]) for site in self.sites]
         if self.local.size == 1:  # this rank is its node: sum straight into the output, as topka does
             out = self.output(zeroed=True)  # grad (perhaps ``out``) was read for the last time above
             touched = self._exchange(picks, out, acc)
@@ -71,12 +70,10 @@ class HiTopKAllreducer(Allreducer):
         """Every site's rail Allgather of its picks, summed into ``region`` (mine),
         a lossy codec's rounding kept in ``acc``; returns the positions touched,
         with repeats (harmless: each is read, then written back)."""
-        touched = []
-        for site, (indices, values) in zip(self.sites, picks):
-            positions, sent = site.exchange(indices, values, region[site.lo : site.hi])
-            self.keep_rounding(acc[site.lo : site.hi], indices, values, sent)
-            touched.append(positions + site.lo)
-        return self.xp.concatenate(touched)
+        return self.xp.concatenate([
+            site.exchange(indices, values, region[site.lo : site.hi], acc[site.lo : site.hi]) + site.lo
+            for site, (indices, values) in zip(self.sites, picks)
+        ])
 
     def _node_sum_with_residual(self, grad: Any) -> Any:
         """My region of the node's sum plus my residual (the array to select from)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .base import Allreducer, selection_size
+from .base import Allreducer
 
 
 class HiTopKLeaderAllreducer(Allreducer):
@@ -23,11 +23,10 @@ class HiTopKLeaderAllreducer(Allreducer):
         self.local = self.channel(topology.local, spans_nodes=False)
         self.is_leader = topology.leader != MPI.COMM_NULL
         if self.is_leader:
-            self.k = selection_size(self.density, self.size)
             self.node_sum = self.xp.empty(self.size, dtype=self.dtype)
+            self.topk = self.top_k(self.size)
             leaders = self.channel(topology.leader, spans_nodes=True)
-            self.exchange = self.pair_exchange(leaders, self.k, self.size)
-            self.selector = self.new_selector()
+            self.exchange = self.pair_exchange(leaders, self.topk.k, self.size)
             self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:
@@ -36,9 +35,8 @@ class HiTopKLeaderAllreducer(Allreducer):
         out = self.output(zeroed=self.is_leader)
         if self.is_leader:
             acc = self.feedback.add(node_sum)
-            indices, values = self.select(self.selector, acc, self.k)
-            touched, sent = self.exchange(indices, values, out)
-            self.keep_rounding(acc, indices, values, sent)
+            indices, values = self.topk(acc)
+            touched = self.exchange(indices, values, out, acc)
             out[touched] = self.averaged(out[touched])
         self.local.bcast(out)
         return out

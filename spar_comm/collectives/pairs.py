@@ -72,19 +72,20 @@ class PairExchange:
     """Allgather of k (index, value) pairs from every rank of a channel, summed
     into a dense vector in rank order (so every rank gets the same bits)."""
 
-    def __init__(self, channel, k: int, dtype: np.dtype, codec: Any = None, indices: Any = None):
-        self.channel = channel
+    def __init__(self, channel, k: int, dtype: np.dtype, codec: Any = None, indices: Any = None, feedback: Any = None):
+        self.channel, self.feedback = channel, feedback
         self.layout = PairLayout(k, dtype, channel.memory.xp, codec, indices)
         self.sendbuf = self.layout.empty()
         self.recvbuf = self.layout.empty(channel.size)
 
-    def __call__(self, indices: Any, values: Any, out: Any) -> Tuple[Any, Any]:
-        """Add every rank's pairs into ``out``; return the indices touched, and
-        this rank's values as every rank decoded them (``values`` itself unless
-        the codec is lossy)."""
+    def __call__(self, indices: Any, values: Any, out: Any, acc: Any = None) -> Any:
+        """Add every rank's pairs into ``out``; return the indices touched. What a
+        lossy codec rounded away from this rank's ``values`` goes back to the
+        residual ``acc`` at ``indices`` (``ErrorFeedback.keep_rounding``)."""
         self.layout.write(self.sendbuf, indices, values)
         self.channel.allgather(self.sendbuf, self.recvbuf)
         all_values, all_indices = self.layout.read_all(self.recvbuf, self.channel.size)
         scatter_add(out, all_indices, all_values)
-        sent = all_values[self.channel.rank] if self.layout.codec.lossy else values  # decoded once, with the rest
-        return all_indices.ravel(), sent
+        if self.feedback is not None and self.layout.codec.lossy:  # this rank's values, decoded with the rest
+            self.feedback.keep_rounding(acc, indices, values, all_values[self.channel.rank])
+        return all_indices.ravel()

@@ -77,7 +77,7 @@ class CodedAllreduce:
         if feedback.on:
             sent = codec.decode(self.rows(self.sendbuf), self.width)
             for j, (lo, hi) in enumerate(self.bounds):
-                feedback.keep_rounding(acc[lo:hi], None, self.chunks[j, : hi - lo], sent[j, : hi - lo], True)
+                feedback.keep_rounding(acc, slice(lo, hi), self.chunks[j, : hi - lo], sent[j, : hi - lo])
         self.channel.alltoall(self.sendbuf, self.recvbuf)
         versions = codec.decode(self.rows(self.recvbuf), self.width)  # (p, width): every rank's take of my chunk
         total = versions[0].copy()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Allreducer, selection_size
+from .base import Allreducer
 
 
 class TopKAllgatherAllreducer(Allreducer):
@@ -18,16 +18,14 @@ class TopKAllgatherAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.k = selection_size(self.density, self.size)
-        self.exchange = self.pair_exchange(self.world, self.k, self.size)
-        self.selector = self.new_selector()
+        self.topk = self.top_k(self.size)
+        self.exchange = self.pair_exchange(self.world, self.topk.k, self.size)
         self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:
         acc = self.feedback.add(grad)
-        indices, values = self.select(self.selector, acc, self.k)
+        indices, values = self.topk(acc)
         out = self.output(zeroed=True)
-        touched, sent = self.exchange(indices, values, out)
-        self.keep_rounding(acc, indices, values, sent)
+        touched = self.exchange(indices, values, out, acc)
         out[touched] = self.averaged(out[touched])
         return out

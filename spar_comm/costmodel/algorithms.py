@@ -20,7 +20,8 @@ from typing import Callable, Dict, Optional
 
 import numpy as np
 
-from ..collectives.base import selection_size, sum_dtype
+from ..collectives.base import sum_dtype
+from ..collectives.topk import selection_size
 from ..collectives.codecs import make_codec, make_index_codec
 from ..collectives.pairs import PairLayout, up8
 from ..collectives.powersgd import plan as powersgd_plan

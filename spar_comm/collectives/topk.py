@@ -1,0 +1,50 @@
+"""Top-k selection as a compressor: which entries of a span to send.
+
+A ``TopK`` picks the k entries of largest magnitude with a selector of its
+own (a selector may keep a warm start, so every selection site has one),
+has error feedback forget what it picked (it is being sent), and adds its
+time, its k and its smallest picked magnitude to the allreducer's ledger.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any, Dict, Tuple
+
+import numpy as np
+
+from .. import kernels
+from ..memory import HostMemory
+from .feedback import ErrorFeedback
+
+
+def selection_size(density: float, length: int) -> int:
+    """k for a vector of ``length``: ``max(1, ceil(density*length))``, at most ``length``.
+
+    The density is taken as the decimal the user wrote (0.01 is 1/100), so
+    that k does not depend on binary rounding (0.01*300 is not 3 in floats).
+    """
+    return min(length, max(1, math.ceil(Fraction(repr(float(density))) * length)))
+
+
+class TopK:
+    """k of a span, picked by ``selector``."""
+
+    def __init__(self, selector: kernels.Selector, k: int, feedback: ErrorFeedback, memory: HostMemory,
+                 ledger: Dict[str, float]):
+        self.selector, self.k, self.feedback, self.memory, self.ledger = selector, k, feedback, memory, ledger
+
+    def __call__(self, acc: Any) -> Tuple[Any, Any]:
+        """(indices, values) of the k picked entries of ``acc``; with error
+        feedback on, ``acc`` is the residual and keeps the rest."""
+        if self.k == 0:  # an empty shard (fewer elements than shards)
+            return self.memory.xp.zeros(0, dtype=np.int64), acc[:0].copy()
+        start = self.memory.now()
+        indices = self.selector(acc, self.k)
+        values = acc[indices]
+        self.feedback.forget(acc, indices)
+        self.ledger["t_select"] += self.memory.now() - start
+        self.ledger["k"] += len(indices)
+        if len(values):
+            self.ledger["threshold"] = min(self.ledger["threshold"], float(self.memory.xp.abs(values).min()))
+        return indices, values
