@@ -106,25 +106,37 @@ class Float16(Cast):
     def encode(self, values: Any, raw: Any) -> None:
         if self.dtype != np.float32:
             return super().encode(values, raw)
-        xp = self.xp
+        xp = self.xp  # in place where it can: every pass over the values counts
         bits = xp.clip(values, -self.largest, self.largest).view(np.uint32)
         magnitude = bits & np.uint32(0x7FFFFFFF)
-        normal = (magnitude + self.REBIAS + ((magnitude >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+        normal = magnitude >> np.uint32(13)
+        normal &= np.uint32(1)  # the bit that breaks ties to even
+        normal += magnitude
+        normal += self.REBIAS
+        normal >>= np.uint32(13)
         # Below 2^-14, adding 0.5 in float32 puts the 10 bits a subnormal half keeps
         # at the bottom of the mantissa, rounded to nearest even by the addition itself.
-        aligned = (magnitude.view(np.float32) + np.float32(0.5)).view(np.uint32) - np.uint32(126 << 23)
-        sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
-        half = xp.where(magnitude < self.SMALLEST_NORMAL, aligned, normal) | sign
-        raw[: 2 * values.size].view(np.uint16)[...] = half.astype(np.uint16)
+        tiny = magnitude < self.SMALLEST_NORMAL
+        aligned = magnitude.view(np.float32)
+        aligned += np.float32(0.5)
+        xp.copyto(normal, aligned.view(np.uint32) - np.uint32(126 << 23), where=tiny)
+        bits >>= np.uint32(16)
+        bits &= np.uint32(0x8000)
+        normal |= bits
+        raw[: 2 * values.size].view(np.uint16)[...] = normal
 
     def decode(self, raw: Any, k: int) -> Any:
         xp = self.xp
-        halves = self._part(raw, 0, 2 * k).view(np.uint16).astype(np.uint32)
-        magnitude = (halves & np.uint32(0x7FFF)) << np.uint32(13)
-        normal = magnitude + np.uint32(112 << 23)
-        subnormal = ((magnitude + self.SMALLEST_NORMAL).view(np.float32) - np.float32(2.0**-14)).view(np.uint32)
-        sign = (halves & np.uint32(0x8000)) << np.uint32(16)
-        bits = xp.where(magnitude < np.uint32(1 << 23), subnormal, normal) | sign  # exponent 0: zero or subnormal
+        halves = self._part(raw, 0, 2 * k).view(np.uint16)
+        bits = halves.astype(np.uint32)
+        bits &= np.uint32(0x7FFF)
+        bits <<= np.uint32(13)
+        tiny = bits < np.uint32(1 << 23)  # exponent 0: zero or subnormal
+        bits += np.uint32(112 << 23)
+        subnormal = (bits + np.uint32(1 << 23)).view(np.float32)
+        subnormal -= np.float32(2.0**-14)
+        xp.copyto(bits, subnormal.view(np.uint32), where=tiny)
+        bits |= (halves & np.uint16(0x8000)).astype(np.uint32) << np.uint32(16)
         return bits.view(np.float32).astype(self.dtype, copy=False)
 
 
