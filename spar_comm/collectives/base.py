@@ -2,11 +2,12 @@
 it is built from, the call itself, and the ``.last`` figures.
 
 An allreducer is a communication pattern (its own module) put together from
-pieces with one job each: a compressor (``topk.py``: a selector and its k,
-or a low-rank factorisation), a value codec and an index codec (``codecs.py``: how
-the payload looks on the wire), error feedback (``feedback.py``: what was
-not sent, or sent inexactly) and channels (``channel.py``: MPI calls that
-keep the books). What it refuses is in ``checks.py``.
+pieces with one job each: a compressor (``topk.py``: a selector and its k;
+or a low-rank factorisation), a value codec and an index codec
+(``codecs.py``: how the payload looks on the wire; ``sums.py``: a dense sum
+through one), error feedback (``feedback.py``: what was not sent, or sent
+inexactly) and channels (``channel.py``: MPI calls that keep the books).
+What it refuses is in ``checks.py``.
 
 A subclass implements ``_reduce(grad) -> flat array`` (the sum over ranks,
 divided by their number through ``averaged`` when averaging), taking its
