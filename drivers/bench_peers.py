@@ -32,6 +32,11 @@ and the rest whole, by torch's own rule (min_compression_rate 2). As for
 spar_comm's dense, everything counts as between nodes once the job spans two;
 BatchNorm buffers that DDP broadcasts are left out.
 
+For spar_comm's optimizer modes a second table says where the communication
+went: selection, MPI inside and between nodes and the allreducers' own
+passes over memory, the copies of gradients into the buckets and back, and
+how long step() still waited after backward.
+
     mpiexec -n 4 python drivers/bench_peers.py mlp --ranks-per-node 2 --out peers.json --plot peers.png
     mpiexec -n 2 python drivers/bench_peers.py gpt --tiny --warmup 2 --repeat 2
 
@@ -50,7 +55,7 @@ import itertools  # noqa: E402
 import multiprocessing  # noqa: E402
 import time  # noqa: E402
 from multiprocessing.connection import Connection  # noqa: E402
-from typing import Callable, List, Optional, Tuple  # noqa: E402
+from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -193,11 +198,13 @@ def ddp_bytes(mode: str, model: torch.nn.Module, topology: Topology) -> Optional
 
 # -- the modes ---------------------------------------------------------------------------------
 class Runner:
-    """One mode: its replica of the model, its optimizer, and what a step sends between nodes."""
+    """One mode: its replica of the model, its optimizer, what a step sends
+    between nodes, and (spar_comm's optimizer) where its communication went."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 sent: Callable[[], Optional[float]], note: str = ""):
-        self.model, self.optimizer, self.sent, self.note = model, optimizer, sent, note
+                 sent: Callable[[], Optional[float]], note: str = "",
+                 phases: Optional[Callable[[], Dict[str, float]]] = None):
+        self.model, self.optimizer, self.sent, self.note, self.phases = model, optimizer, sent, note, phases
 
     def step(self, batch, loss: Callable) -> float:
         """One training step; its seconds."""
@@ -206,6 +213,28 @@ class Runner:
         loss(self.model, batch).backward()
         self.optimizer.step()
         return time.perf_counter() - start
+
+
+#: Where the communication of a spar_comm step went, in seconds summed over its buckets.
+PHASES = ("select", "intra", "inter", "local", "copies", "wait")
+
+
+def phases_of(opt: torch.optim.Optimizer) -> Dict[str, float]:
+    """This rank's last step: inside the allreducers, selection, MPI inside and
+    between nodes, and their own passes over memory (residual adds,
+    scatter-adds, codecs, the check); around them, the copies of the gradients
+    into the buckets and back; and how long step() waited after backward for
+    the buckets still being reduced."""
+    figures = dict.fromkeys(PHASES, 0.0)
+    for bucket, times in zip(opt.buckets, opt.last_timings):
+        last = bucket.reducer.last
+        figures["select"] += last["t_select"]
+        figures["intra"] += last["t_intra"]
+        figures["inter"] += last["t_inter"]
+        figures["local"] += last["t_total"] - last["t_select"] - last["t_intra"] - last["t_inter"]
+        figures["copies"] += times["end"] - times["start"] - last["t_total"]
+    figures["wait"] = opt.last_wait
+    return figures
 
 
 def sgd(params) -> torch.optim.Optimizer:
@@ -244,7 +273,7 @@ def build(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topolog
                                    bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices)
     chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
-                  f"chose {chosen}" if mode == "spar_auto" else "")
+                  f"chose {chosen}" if mode == "spar_auto" else "", lambda: phases_of(opt))
 
 
 def describe(error: BaseException) -> str:
@@ -372,6 +401,7 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
     runners = start_modes(args, topology, new_model, loss, results)
     seconds = np.zeros((len(args.modes), args.repeat))
     sent = np.zeros((len(args.modes), args.repeat))
+    phases = np.full((len(args.modes), args.repeat, len(PHASES)), np.nan)
     for i in range(args.warmup + args.repeat):
         batch = next_batch()
         for m, mode in enumerate(args.modes):
@@ -390,6 +420,8 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
                 seconds[m, i - args.warmup] = elapsed[0]
                 figure = runner.sent()
                 sent[m, i - args.warmup] = np.nan if figure is None else figure
+                if getattr(runner, "phases", None) is not None:
+                    phases[m, i - args.warmup] = [runner.phases()[name] for name in PHASES]
     for runner in runners.values():
         if isinstance(runner, Peer):
             runner.close()
@@ -398,12 +430,17 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
     mean_sent = np.empty_like(sent)
     world.Allreduce(sent, mean_sent, op=MPI.SUM)
     mean_sent /= world.size
+    slowest_phases = np.empty_like(phases)
+    world.Allreduce(phases, slowest_phases, op=MPI.MAX)  # each phase on its slowest rank
     for m, mode in enumerate(args.modes):
         if results[mode]["status"] == "ok":
             bytes_inter = float(np.median(mean_sent[m]))
             results[mode].update(step_ms=1e3 * float(np.median(slowest[m])),
                                  bytes_inter=None if np.isnan(bytes_inter) else bytes_inter,
                                  note=runners[mode].note)
+            if not np.isnan(slowest_phases[m]).any():
+                medians = 1e3 * np.median(slowest_phases[m], axis=0)
+                results[mode]["phases_ms"] = {name: float(ms) for name, ms in zip(PHASES, medians)}
     ddp = results.get("ddp", {}).get("step_ms")
     for result in results.values():
         if "step_ms" in result:
@@ -422,6 +459,11 @@ def table(results: List[dict]) -> str:
         ratio = f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-"
         sent = f"{r['bytes_inter'] / 1e6:.4g}" if r["bytes_inter"] is not None else "unknown"
         lines.append(f"{r['mode']:<18}{r['step_ms']:>10.1f}{ratio:>8}{sent:>18}  {r['note']}")
+    timed = [r for r in results if "phases_ms" in r]
+    if timed:
+        lines += ["", "where spar_comm's communication went, ms (medians, each phase on its slowest rank):",
+                  f"{'mode':<18}" + "".join(f"{name:>9}" for name in PHASES)]
+        lines += [f"{r['mode']:<18}" + "".join(f"{r['phases_ms'][name]:>9.1f}" for name in PHASES) for r in timed]
     return "\n".join(lines)
 
 

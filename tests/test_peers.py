@@ -90,5 +90,8 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
     assert 0 <= ok["spar_dense_float16"]["bytes_inter"] - ok["ddp"]["bytes_inter"] / 2 < 1024
     assert ok["ddp"]["bytes_inter"] / 4 < ok["spar_dense_int8"]["bytes_inter"] < ok["ddp"]["bytes_inter"] / 3.9
     assert 0 < ok["spar_hitopk_int8"]["bytes_inter"] < ok["spar_hitopk"]["bytes_inter"]
+    phases = ok["spar_hitopk"]["phases_ms"]
+    assert list(phases) == list(bench_peers.PHASES) and phases["select"] > 0 and min(phases.values()) >= 0, phases
+    assert "phases_ms" not in ok["ddp"] and "where spar_comm's communication went" in run.stdout
     assert 0 < ok["ddp_powersgd_r1"]["bytes_inter"] < ok["ddp_powersgd_r4"]["bytes_inter"] < ok["ddp"]["bytes_inter"]
     assert "failed" in run.stdout and "spar_hitopk" in run.stdout and png.stat().st_size > 0

@@ -141,6 +141,7 @@ class _DistributedOptimizer:
         self._in_flight = False
         self._skip = False
         self.last_wait = 0.0  # seconds the last synchronize() waited
+        self.last_timings: List[Dict[str, float]] = []  # bucket_timings() of the last synchronized step
         self._errors: List[BaseException] = []
         self._jobs: Optional[queue.Queue] = None
         self._done = threading.Event()
@@ -234,6 +235,7 @@ class _DistributedOptimizer:
             self._streams.consume(bucket.finished)
         errors, problems = self._errors, int(self._flags[0])
         self._errors, self._problems, self._next, self._in_flight = [], 0, 0, False
+        self.last_timings = self.bucket_timings()
         for bucket in self.buckets:
             bucket.reset()
         if problems & _TOO_MANY_PASSES:
@@ -266,8 +268,8 @@ class _DistributedOptimizer:
     def bucket_timings(self) -> List[Dict[str, float]]:
         """``perf_counter`` times of the last step's buckets: ``ready`` (its last
         gradient accumulated; absent if synchronize started it), ``start`` and
-        ``end`` of its allreduce. Read it after backward, before ``step()``
-        resets it, or after ``synchronize()`` inside ``skip_synchronize``."""
+        ``end`` of its allreduce, for the step in flight; ``synchronize()``
+        (and so ``step()``) keeps them as ``last_timings`` and starts afresh."""
         return [dict(b.times) for b in self.buckets]
 
     def state_dict(self) -> Dict[str, Any]:
