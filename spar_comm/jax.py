@@ -65,9 +65,9 @@ def sparse_allreduce(
 
     ``init(params)`` is collective: it checks that every rank has the same
     parameter tree, shapes and dtype, and builds one allreducer for the fused
-    vector (settings as ``make_allreducer``, codecs and ``options`` too;
-    ``topology=None`` finds nodes by
-    shared memory or ``SPAR_COMM_RANKS_PER_NODE``). All leaves must share one
+    vector (settings, codecs and ``options`` as ``make_allreducer``;
+    ``topology=None`` finds nodes by shared memory or
+    ``SPAR_COMM_RANKS_PER_NODE``). All leaves must share one
     dtype, float32, float64, float16 or bfloat16: the fused buffer is reduced
     in it (a 16-bit one in float32, rounded back once, with a float32
     residual), and a mixed-precision tree is refused rather than silently cast.
