@@ -15,9 +15,9 @@ codec is taken by hand, as ZeRO++'s qgZ does with its quantized gradients:
 
 Each rank sends 2(p-1)/p of the encoded vector, as a ring allreduce of the
 narrow values would. With error feedback, a rank keeps what its own
-encoding rounded away, and a chunk's owner also what the encoding of the
-chunk's sum rounded away: summed over ranks, the result and the residuals
-are exactly what came in.
+encoding rounded away (exactly), and a chunk's owner adds what the encoding
+of the chunk's sum rounded away: summed over ranks, the result and the
+residuals are what came in, to the rounding of that one addition.
 """
 from __future__ import annotations
 
