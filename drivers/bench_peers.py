@@ -311,6 +311,8 @@ class Peer:
     """The rank's side of a ``peer_main`` process: its answers, waited for at
     most --peer-timeout."""
 
+    phases = None  # torch's own modes: no breakdown of their communication
+
     def __init__(self, mode: str, init_method: str, world: MPI.Comm, args: argparse.Namespace,
                  replica: torch.nn.Module, loss: Callable, sent: Optional[float]):
         fail_at = args.warmup if mode == args.inject_failure and world.rank == world.size - 1 else None
@@ -420,8 +422,9 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
                 seconds[m, i - args.warmup] = elapsed[0]
                 figure = runner.sent()
                 sent[m, i - args.warmup] = np.nan if figure is None else figure
-                if getattr(runner, "phases", None) is not None:
-                    phases[m, i - args.warmup] = [runner.phases()[name] for name in PHASES]
+                if runner.phases is not None:
+                    figures = runner.phases()
+                    phases[m, i - args.warmup] = [figures[name] for name in PHASES]
     for runner in runners.values():
         if isinstance(runner, Peer):
             runner.close()

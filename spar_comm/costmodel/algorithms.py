@@ -46,6 +46,7 @@ class Shape:
         self.nodes, self.g, self.p = cluster.nodes, cluster.ranks_per_node, cluster.ranks
         self.n, self.s = size, itemsize
         self.values, self.indices = values, indices
+        self.codec = make_codec(values, np.dtype(f"f{itemsize}"), np)  # the values' codec, as the allreducer makes it
         self.nbytes = size * itemsize
         self.density, self.selector = density, selector
         self.world = Span(self.nodes, self.g)
@@ -63,7 +64,7 @@ class Shape:
     @property
     def lossy(self) -> bool:
         """Whether the value codec rounds (and dense sums go through ``sums.py``)."""
-        return make_codec(self.values, np.dtype(f"f{self.s}"), np).lossy
+        return self.codec.lossy
 
     def coded_sum(self, span: Span, length: int) -> Terms:
         """``sums.py``'s coded sum of ``length`` elements over ``span``: an Alltoall and an
@@ -71,16 +72,14 @@ class Shape:
         residual add, the copy into chunks, encoding, decoding what this rank
         sent and what it got, the rounding kept, the sum, the output)."""
         chunk = math.ceil(length / span.size)
-        block = up8(make_codec(self.values, np.dtype(f"f{self.s}"), np).nbytes(chunk))
+        block = up8(self.codec.nbytes(chunk))
         return Terms(gamma=10 * length * self.s) + mpi.alltoall(span, block) + mpi.allgather(span, block)
 
     def wire(self, k: int, span: int) -> int:
         """Bytes of a record of k pairs within ``span`` through the codecs (``pairs`` without them)."""
         if self.values is None and self.indices is None:
             return self.pairs(k)
-        dtype = np.dtype(f"f{self.s}")
-        return PairLayout(k, dtype, np, make_codec(self.values, dtype, np),
-                          make_index_codec(self.indices, k, span, np)).nbytes
+        return PairLayout(k, self.codec.dtype, np, self.codec, make_index_codec(self.indices, k, span, np)).nbytes
 
 
 def dense(x: Shape) -> Terms:
