@@ -37,8 +37,17 @@ went: selection, MPI inside and between nodes and the allreducers' own
 passes over memory, the copies of gradients into the buckets and back, and
 how long step() still waited after backward.
 
+Time to target (gpt, cnn): with --eval-every R, rank 0 measures every mode's
+held-out metric (the GPT's validation loss, the CNN's accuracy) every R
+rounds, and the report gives each mode's training time to --target: its
+slowest rank's step times summed, evaluations not counted. Every mode trains
+with the workload's optimizer (AdamW for the GPT, SGD with momentum for the
+CNN, as their train_*.py scripts do) from the same weights on the same batches.
+
     mpiexec -n 4 python drivers/bench_peers.py mlp --ranks-per-node 2 --out peers.json --plot peers.png
     mpiexec -n 2 python drivers/bench_peers.py gpt --tiny --warmup 2 --repeat 2
+    mpiexec -n 4 python drivers/bench_peers.py cnn --ranks-per-node 2 --modes ddp,spar_hitopk \\
+        --density 0.01 --warmup 3 --repeat 297 --eval-every 25 --targets 0.9,0.95
 
 Across hosts, gloo needs GLOO_SOCKET_IFNAME, the interface between them
 (emu0 on the emulated cluster); rank 0's address on it is the rendezvous.
@@ -52,10 +61,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores alread
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import itertools  # noqa: E402
+import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import time  # noqa: E402
 from multiprocessing.connection import Connection  # noqa: E402
-from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Callable, Dict, Iterable, List, Optional, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -108,6 +119,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_argument("--warmup", type=positive_int, default=3, help="untimed rounds (default: %(default)s)")
     common.add_argument("--repeat", type=positive_int, default=10, help="timed rounds (default: %(default)s)")
     common.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    common.add_argument("--lr", type=positive_float, default=None,
+                        help="learning rate (default: the workload's: SGD 1e-3 for mlp, AdamW 1e-3 for gpt, "
+                             "SGD with momentum 0.05 for cnn)")
+    common.add_argument("--eval-every", type=positive_int, default=None, metavar="ROUNDS",
+                        help="gpt and cnn: measure every mode's held-out metric every ROUNDS rounds (warm-up "
+                             "included) and report the training time to each of --targets")
+    common.add_argument("--targets", type=comma_list(float, math.isfinite, "a finite number"), default=[],
+                        help="comma-separated held-out metrics to reach: the gpt's validation loss, "
+                             "the cnn's accuracy")
     common.add_argument("--peer-timeout", type=positive_float, default=120,
                         help="seconds a peer's step may take before the peer is failed (default: %(default)s)")
     common.add_argument("--out", help="write the results as JSON here")
@@ -129,33 +149,78 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.model == "gpt":
         train_gpt.settle_model_arguments(gpt, args)
+    if args.model == "mlp" and args.eval_every:
+        parser.error("--eval-every: the mlp trains on random data and has nothing held out")
+    if args.targets and not args.eval_every:
+        parser.error("--targets needs --eval-every")
     return args
 
 
-# -- the workload: a model, its batches, its loss ------------------------------------------------
+# -- the workload: a model, its batches, its loss, its optimizer, its held-out metric -----------------
+@dataclass
+class Workload:
+    """What every mode trains alike. ``metric`` is None where nothing is held out."""
+
+    new_model: Callable[[], torch.nn.Module]  # every new model starts from the same weights
+    next_batch: Callable[[], Tuple[torch.Tensor, ...]]
+    loss: Callable[[torch.nn.Module, tuple], torch.Tensor]
+    new_optimizer: Callable[[Iterable], torch.optim.Optimizer]
+    metric: Optional[Callable[[torch.nn.Module], float]] = None
+    metric_name: str = ""
+    lower_is_better: bool = False
+
+    def reached(self, value: float, target: float) -> bool:
+        return value <= target if self.lower_is_better else value >= target
+
+
 def classify(model: torch.nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def workload(args: argparse.Namespace, rank: int) -> Tuple[Callable, Callable, Callable]:
-    """(new model, batch of a round, loss): every new model starts from the same weights."""
+def held_out(score: Callable[[torch.nn.Module], float]) -> Callable[[torch.nn.Module], float]:
+    """``score`` of a model in eval mode without gradients; DDP's wrapper is
+    looked through, since its forward would broadcast buffers to ranks that
+    do not evaluate."""
+    def metric(model: torch.nn.Module) -> float:
+        module = getattr(model, "module", model)
+        module.eval()
+        with torch.no_grad():
+            value = score(module)
+        module.train()
+        return value
+    return metric
+
+
+#: The GPT's validation set: the same evenly spaced windows for every mode.
+GPT_EVAL_BATCHES, GPT_EVAL_SEQUENCES = 16, 8
+
+
+def workload(args: argparse.Namespace, rank: int) -> Workload:
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     if args.model == "gpt":
-        text, _ = train_gpt.stdlib_text()
-        return (lambda: train_gpt.build_model(args),
-                lambda: train_gpt.random_batch(text, args.batch_size, args.context, generator),
-                lambda model, batch: model(*batch))
+        text, validation = train_gpt.stdlib_text()
+        batches = train_gpt.validation_batches(validation, GPT_EVAL_BATCHES, GPT_EVAL_SEQUENCES, args.context)
+        return Workload(lambda: train_gpt.build_model(args),
+                        lambda: train_gpt.random_batch(text, args.batch_size, args.context, generator),
+                        lambda model, batch: model(*batch),
+                        lambda params: torch.optim.AdamW(params, lr=args.lr or 1e-3, weight_decay=0.01),
+                        held_out(lambda m: sum(m(x, y).item() for x, y in batches) / len(batches)),
+                        "validation loss", lower_is_better=True)
     if args.model == "cnn":
-        x, y, _, _ = train_cnn.digits_images(args.image)
+        x, y, test_x, test_y = train_cnn.digits_images(args.image)
 
         def batch():
             picked = torch.randint(len(y), (args.batch_size,), generator=generator)
             return x[picked], y[picked]
 
-        return lambda: train_cnn.build_model(args), batch, classify
+        return Workload(lambda: train_cnn.build_model(args), batch, classify,
+                        lambda params: torch.optim.SGD(params, lr=args.lr or 0.05, momentum=0.9, weight_decay=5e-4),
+                        held_out(lambda m: (m(test_x).argmax(1) == test_y).float().mean().item()),
+                        "held-out accuracy")
     x = torch.randn(args.batch_size, args.inputs, generator=generator)
     y = torch.randint(10, (args.batch_size,), generator=generator)
-    return lambda: bench_overlap.mlp(args), lambda: (x, y), classify
+    return Workload(lambda: bench_overlap.mlp(args), lambda: (x, y), classify,
+                    lambda params: torch.optim.SGD(params, lr=args.lr or 1e-3))
 
 
 # -- torch.distributed from the MPI launch ------------------------------------------------------
@@ -214,6 +279,9 @@ class Runner:
         self.optimizer.step()
         return time.perf_counter() - start
 
+    def evaluate(self, metric: Callable[[torch.nn.Module], float]) -> float:
+        return metric(self.model)
+
 
 #: Where the communication of a spar_comm step went, in seconds summed over its buckets.
 PHASES = ("select", "intra", "inter", "local", "copies", "wait")
@@ -237,11 +305,8 @@ def phases_of(opt: torch.optim.Optimizer) -> Dict[str, float]:
     return figures
 
 
-def sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=1e-3)
-
-
-def build_ddp(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
+def build_ddp(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Namespace,
+              topology: Topology) -> Runner:
     """DDP around ``replica`` on the default process group, with ``mode``'s hook (collective)."""
     cap = args.bucket_cap_mb
     if mode.startswith("ddp_powersgd_r") and args.powersgd_one_bucket:
@@ -256,19 +321,20 @@ def build_ddp(mode: str, replica: torch.nn.Module, args: argparse.Namespace, top
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif mode == "spar_hook":
         model.register_comm_hook(*sct.comm_hook("hitopk", args.density, topology=topology))
-    return Runner(model, sgd(model.parameters()), lambda: None)
+    return Runner(model, work.new_optimizer(model.parameters()), lambda: None)
 
 
-def build(mode: str, replica: torch.nn.Module, args: argparse.Namespace, topology: Topology) -> Runner:
+def build(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Namespace,
+          topology: Topology) -> Runner:
     """The runner of a mode that runs in this process (collective)."""
     if mode == "no_comm":
-        return Runner(replica, sgd(replica.parameters()), lambda: 0.0)
+        return Runner(replica, work.new_optimizer(replica.parameters()), lambda: 0.0)
     if mode == "spar_hook":
         if not dist.is_initialized():
             sct.init_process_group("gloo", comm=topology.world, timeout=datetime.timedelta(seconds=args.peer_timeout))
-        return build_ddp(mode, replica, args, topology)
+        return build_ddp(mode, replica, work, args, topology)
     algorithm, values, indices = SPAR[mode]
-    opt = sct.DistributedOptimizer(sgd(replica.parameters()), replica.named_parameters(),
+    opt = sct.DistributedOptimizer(work.new_optimizer(replica.parameters()), replica.named_parameters(),
                                    algorithm=algorithm, density=args.density, topology=topology,
                                    bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices)
     chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
@@ -282,27 +348,29 @@ def describe(error: BaseException) -> str:
 
 
 def peer_main(conn: Connection, mode: str, init_method: str, rank: int, size: int, fail_at: Optional[int],
-              args: argparse.Namespace, replica: torch.nn.Module, loss: Callable) -> None:
+              args: argparse.Namespace, replica: torch.nn.Module, work: Workload) -> None:
     """A DDP mode in a process of its own, forked from a rank before it starts
-    any thread: it takes its steps when the rank sends a batch (None: stop)
-    and answers ("ok", seconds) or ("error", text). A crash or a hang here
-    (gloo aborts the process on some collective mismatches) ends only it."""
+    any thread. It takes a step when the rank sends ("step", batch) and
+    measures the held-out metric on ("evaluate", None); None stops it. It
+    answers ("ok", seconds or metric) or ("error", text). A crash or a hang
+    here (gloo aborts the process on some collective mismatches) ends only it."""
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=args.peer_timeout))
-        runner = build_ddp(mode, replica, args, None)
+        runner = build_ddp(mode, replica, work, args, None)
         conn.send(("ok", None))
     except Exception as error:  # noqa: BLE001 (handed to the rank)
         conn.send(("error", describe(error)))
         return
-    for step in itertools.count():
-        batch = conn.recv()
-        if batch is None:
-            return
-        if step == fail_at:
+    steps = itertools.count()
+    while (request := conn.recv()) is not None:
+        kind, batch = request
+        if kind == "step" and next(steps) == fail_at:
             os.abort()  # as gloo does on a mismatch
         try:
-            conn.send(("ok", runner.step(tuple(map(torch.from_numpy, batch)), loss)))
+            figure = (runner.step(tuple(map(torch.from_numpy, batch)), work.loss) if kind == "step"
+                      else runner.evaluate(work.metric))
+            conn.send(("ok", figure))
         except Exception as error:  # noqa: BLE001
             conn.send(("error", describe(error)))
 
@@ -314,11 +382,11 @@ class Peer:
     phases = None  # torch's own modes: no breakdown of their communication
 
     def __init__(self, mode: str, init_method: str, world: MPI.Comm, args: argparse.Namespace,
-                 replica: torch.nn.Module, loss: Callable, sent: Optional[float]):
+                 replica: torch.nn.Module, work: Workload, sent: Optional[float]):
         fail_at = args.warmup if mode == args.inject_failure and world.rank == world.size - 1 else None
         self.conn, theirs = multiprocessing.get_context("fork").Pipe()
         self.process = multiprocessing.get_context("fork").Process(
-            target=peer_main, args=(theirs, mode, init_method, world.rank, world.size, fail_at, args, replica, loss),
+            target=peer_main, args=(theirs, mode, init_method, world.rank, world.size, fail_at, args, replica, work),
             daemon=True)
         self.process.start()
         theirs.close()
@@ -340,7 +408,12 @@ class Peer:
         return figure
 
     def step(self, batch, loss: Callable) -> float:
-        self.conn.send(tuple(t.numpy() for t in batch))
+        self.conn.send(("step", tuple(t.numpy() for t in batch)))
+        return self.answer()
+
+    def evaluate(self, metric: Callable[[torch.nn.Module], float]) -> float:
+        """The peer's own workload's metric (``metric`` is the same, forked with it)."""
+        self.conn.send(("evaluate", None))
         return self.answer()
 
     def close(self) -> None:
@@ -368,8 +441,7 @@ def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Optional[str]:
 
 
 # -- the measurement ---------------------------------------------------------------------------
-def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callable, loss: Callable,
-                results: dict) -> dict:
+def start_modes(args: argparse.Namespace, topology: Topology, work: Workload, results: dict) -> dict:
     """Every mode's runner (or Peer), in ``args.modes`` order; a mode that
     cannot start gets its error in ``results``. The peers' processes are
     forked first, before spar_comm starts its threads."""
@@ -377,8 +449,8 @@ def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callabl
     peers = [mode for mode in args.modes if mode in PEERS]
     started = {}
     for mode, method in zip(peers, init_methods(world, len(peers), on_one_host(world))):
-        replica = new_model()
-        started[mode] = Peer(mode, method, world, args, replica, loss, ddp_bytes(mode, replica, topology))
+        replica = work.new_model()
+        started[mode] = Peer(mode, method, world, args, replica, work, ddp_bytes(mode, replica, topology))
     runners = {}
     for mode in args.modes:
         def construct(mode=mode):
@@ -386,7 +458,7 @@ def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callabl
                 started[mode].answer(max(STARTUP_SECONDS, args.peer_timeout))
                 runners[mode] = started[mode]
             else:
-                runners[mode] = build(mode, new_model(), args, topology)
+                runners[mode] = build(mode, work.new_model(), work, args, topology)
         error = agreed_error(world, construct)
         if error:
             results[mode].update(status="failed", error=error)
@@ -395,36 +467,54 @@ def start_modes(args: argparse.Namespace, topology: Topology, new_model: Callabl
     return runners
 
 
+def fail(results: dict, runners: dict, mode: str, error: str) -> None:
+    results[mode].update(status="failed", error=error)
+    runner = runners.pop(mode)
+    if isinstance(runner, Peer):
+        runner.close()
+
+
 def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], int]:
-    """One result per mode, in ``args.modes`` order, and the model's parameter count."""
+    """One result per mode, in ``args.modes`` order, and the model's parameter
+    count. Every round each mode takes one step on the same batch; with
+    --eval-every, rank 0 measures each mode's held-out metric between rounds
+    (not timed)."""
     world = topology.world
-    new_model, next_batch, loss = workload(args, world.rank)
+    work = workload(args, world.rank)
     results = {mode: dict(mode=mode, status="ok", error=None, note="") for mode in args.modes}
-    runners = start_modes(args, topology, new_model, loss, results)
-    seconds = np.zeros((len(args.modes), args.repeat))
+    runners = start_modes(args, topology, work, results)
+    rounds = args.warmup + args.repeat
+    seconds = np.zeros((len(args.modes), rounds))
     sent = np.zeros((len(args.modes), args.repeat))
     phases = np.full((len(args.modes), args.repeat, len(PHASES)), np.nan)
-    for i in range(args.warmup + args.repeat):
-        batch = next_batch()
+    evaluations = {mode: [] for mode in args.modes}  # rank 0: (round, metric)
+    for i in range(rounds):
+        batch = work.next_batch()
         for m, mode in enumerate(args.modes):
             runner = runners.get(mode)
             if runner is None:
                 continue
             world.Barrier()
             elapsed = []
-            error = agreed_error(world, lambda: elapsed.append(runner.step(batch, loss)))
+            error = agreed_error(world, lambda: elapsed.append(runner.step(batch, work.loss)))
             if error:
-                results[mode].update(status="failed", error=f"round {i + 1}: {error}")
-                runners.pop(mode)
-                if isinstance(runner, Peer):
-                    runner.close()
-            elif i >= args.warmup:
-                seconds[m, i - args.warmup] = elapsed[0]
+                fail(results, runners, mode, f"round {i + 1}: {error}")
+                continue
+            seconds[m, i] = elapsed[0]
+            if i >= args.warmup:
                 figure = runner.sent()
                 sent[m, i - args.warmup] = np.nan if figure is None else figure
                 if runner.phases is not None:
                     figures = runner.phases()
                     phases[m, i - args.warmup] = [figures[name] for name in PHASES]
+        if args.eval_every and ((i + 1) % args.eval_every == 0 or i + 1 == rounds):
+            for mode in [mode for mode in args.modes if mode in runners]:
+                def evaluate(mode=mode):
+                    if world.rank == 0:
+                        evaluations[mode].append((i + 1, runners[mode].evaluate(work.metric)))
+                error = agreed_error(world, evaluate)
+                if error:
+                    fail(results, runners, mode, f"evaluation after round {i + 1}: {error}")
     for runner in runners.values():
         if isinstance(runner, Peer):
             runner.close()
@@ -436,20 +526,41 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
     slowest_phases = np.empty_like(phases)
     world.Allreduce(phases, slowest_phases, op=MPI.MAX)  # each phase on its slowest rank
     for m, mode in enumerate(args.modes):
+        if args.eval_every:
+            results[mode].update(learning_curve(evaluations[mode], np.cumsum(slowest[m]), work, args.targets))
         if results[mode]["status"] == "ok":
             bytes_inter = float(np.median(mean_sent[m]))
-            results[mode].update(step_ms=1e3 * float(np.median(slowest[m])),
+            results[mode].update(step_ms=1e3 * float(np.median(slowest[m, args.warmup:])),
                                  bytes_inter=None if np.isnan(bytes_inter) else bytes_inter,
                                  note=runners[mode].note)
             if not np.isnan(slowest_phases[m]).any():
                 medians = 1e3 * np.median(slowest_phases[m], axis=0)
                 results[mode]["phases_ms"] = {name: float(ms) for name, ms in zip(PHASES, medians)}
-    ddp = results.get("ddp", {}).get("step_ms")
+    ddp = results.get("ddp", {})
     for result in results.values():
         if "step_ms" in result:
-            result["ratio_to_ddp"] = result["step_ms"] / ddp if ddp else None
-    parameters = sum(p.numel() for p in new_model().parameters())
+            result["ratio_to_ddp"] = result["step_ms"] / ddp["step_ms"] if ddp.get("step_ms") else None
+        for reached, ddps in zip(result.get("to_target", []), ddp.get("to_target", [])):
+            if reached["seconds"] is not None:
+                reached["ratio_to_ddp"] = reached["seconds"] / ddps["seconds"] if ddps["seconds"] else None
+    parameters = sum(p.numel() for p in work.new_model().parameters())
     return [results[mode] for mode in args.modes], parameters
+
+
+def learning_curve(evaluations: List[Tuple[int, float]], elapsed: np.ndarray, work: Workload,
+                   targets: List[float]) -> dict:
+    """A mode's held-out metric against its own training time (the slowest
+    rank's steps, summed; evaluations not counted), and for each target the
+    first evaluation that reached it."""
+    curve = [[r, float(elapsed[r - 1]), value] for r, value in evaluations]
+
+    def first(target: float) -> dict:
+        reached = [point for point in curve if work.reached(point[2], target)]
+        return dict(target=target, steps=reached[0][0] if reached else None,
+                    seconds=reached[0][1] if reached else None)
+
+    return dict(metric=work.metric_name, curve=curve, final_metric=curve[-1][2] if curve else None,
+                to_target=[first(target) for target in targets])
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -467,16 +578,33 @@ def table(results: List[dict]) -> str:
         lines += ["", "where spar_comm's communication went, ms (medians, each phase on its slowest rank):",
                   f"{'mode':<18}" + "".join(f"{name:>9}" for name in PHASES)]
         lines += [f"{r['mode']:<18}" + "".join(f"{r['phases_ms'][name]:>9.1f}" for name in PHASES) for r in timed]
+    curves = [r for r in results if r.get("curve")]
+    if curves:
+        lines += ["", f"time to target: s of training (the slowest rank's steps summed) until the "
+                      f"{curves[0]['metric']} first reached each target, steps in brackets:",
+                  f"{'mode':<18}" + "".join(f"{'to ' + format(t['target'], 'g'):>20}" for t in curves[0]["to_target"])
+                  + f"{'final':>10}{'after':>8}"]
+        for r in curves:
+            cells = [f"{t['seconds']:.1f} ({t['steps']}) {t['ratio_to_ddp']:.2f}x" if t.get("ratio_to_ddp")
+                     else f"{t['seconds']:.1f} ({t['steps']})" if t["seconds"] is not None else "not reached"
+                     for t in r["to_target"]]
+            lines.append(f"{r['mode']:<18}" + "".join(f"{c:>20}" for c in cells)
+                         + f"{r['curve'][-1][2]:>10.4f}{r['curve'][-1][0]:>8}")
     return "\n".join(lines)
 
 
-def plot(results: List[dict], title: str, path: str) -> None:
+def plot(results: List[dict], title: str, path: str, targets: List[float]) -> None:
+    """ms per step by mode; beside it, where measured, each mode's held-out
+    metric against its training time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(results) + 1.5))
+    curves = [r for r in results if r.get("curve")]
+    fig, axes = plt.subplots(1, 2 if curves else 1, squeeze=False,
+                             figsize=(14 if curves else 8, 0.35 * len(results) + 2.5))
+    ax = axes[0, 0]
     names = [r["mode"] for r in results][::-1]
     values = [r.get("step_ms", 0.0) for r in results][::-1]
     bars = ax.barh(names, values, color=["tab:blue" if n.startswith("spar_") else "tab:gray" for n in names])
@@ -485,6 +613,17 @@ def plot(results: List[dict], title: str, path: str) -> None:
             ax.text(0, bar.get_y() + bar.get_height() / 2, f" {r['status']}", va="center", color="tab:red")
     ax.set_xlabel("ms per step (slowest rank, median)")
     ax.set_title(title.replace("; ", "\n", 1), fontsize=9)
+    if curves:
+        ax = axes[0, 1]
+        for r in curves:
+            points = np.array(r["curve"])
+            ax.plot(points[:, 1], points[:, 2], marker=".", label=r["mode"],
+                    linestyle="-" if r["mode"].startswith("spar_") else "--")
+        for target in targets:
+            ax.axhline(target, color="black", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("s of training (the slowest rank's steps summed)")
+        ax.set_ylabel(curves[0]["metric"])
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -521,7 +660,7 @@ def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, result
     print(title)
     print(table(results), flush=True)
     if args.plot:
-        plot(results, title, args.plot)
+        plot(results, title, args.plot, args.targets)
     if args.out:
         document = dict(
             benchmark="bench_peers", version=spar_comm.__version__, torch=torch.__version__,

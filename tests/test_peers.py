@@ -7,6 +7,7 @@ import math
 import re
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -44,6 +45,8 @@ def test_the_cnn_learns_the_digits_on_two_ranks(run_driver):
     ("train_cnn", ["--algorithm", "nope"]),
     ("bench_peers", ["cnn", "--modes", "ddp,nope"]),
     ("bench_peers", ["--warmup", "2"]),  # no model named
+    ("bench_peers", ["mlp", "--eval-every", "5"]),  # random data: nothing held out
+    ("bench_peers", ["cnn", "--targets", "0.9"]),  # targets but no evaluations
 ])
 def test_bad_arguments_exit_2_with_a_usage_message(module, bad, capsys):
     with pytest.raises(SystemExit) as exit:
@@ -95,3 +98,40 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
     assert "phases_ms" not in ok["ddp"] and "where spar_comm's communication went" in run.stdout
     assert 0 < ok["ddp_powersgd_r1"]["bytes_inter"] < ok["ddp_powersgd_r4"]["bytes_inter"] < ok["ddp"]["bytes_inter"]
     assert "failed" in run.stdout and "spar_hitopk" in run.stdout and png.stat().st_size > 0
+
+
+def test_time_to_target_is_the_first_evaluation_that_reaches_it():
+    elapsed = np.cumsum([0.5, 0.25, 0.25, 1.0, 2.0, 0.5])
+    lower = bench_peers.Workload(None, None, None, None, metric_name="validation loss", lower_is_better=True)
+    found = bench_peers.learning_curve([(2, 3.0), (4, 2.4), (6, 2.5)], elapsed, lower, [2.5, 2.4, 2.0])
+    assert found["curve"] == [[2, 0.75, 3.0], [4, 2.0, 2.4], [6, 4.5, 2.5]] and found["final_metric"] == 2.5
+    assert found["to_target"] == [dict(target=2.5, steps=4, seconds=2.0), dict(target=2.4, steps=4, seconds=2.0),
+                                  dict(target=2.0, steps=None, seconds=None)]
+    higher = bench_peers.Workload(None, None, None, None, metric_name="held-out accuracy")
+    found = bench_peers.learning_curve([(3, 0.8), (6, 0.9)], elapsed, higher, [0.8, 0.9, 0.95])
+    assert [t["steps"] for t in found["to_target"]] == [3, 6, None]
+
+
+def test_bench_peers_times_every_mode_to_its_targets(run_driver, tmp_path):
+    out, png = tmp_path / "tta.json", tmp_path / "tta.png"
+    targets = [0.12, 0.15]
+    run = run_driver("bench_peers.py", "cnn", "--width", "4", "--image", "8", "--batch-size", "16",
+                     "--ranks-per-node", "1", "--modes", "ddp,ddp_powersgd_r1,spar_hitopk,no_comm",
+                     "--density", "0.1", "--warmup", "2", "--repeat", "10", "--eval-every", "4",
+                     "--targets", ",".join(map(str, targets)), "--peer-timeout", "30", "--out", out, "--plot", png,
+                     ranks=2, timeout=240)
+    assert run.returncode == 0, run.stderr
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert all(r["status"] == "ok" for r in results.values()), [r["error"] for r in results.values()]
+    ddp = results["ddp"]
+    for mode, r in results.items():
+        assert r["metric"] == "held-out accuracy" and [p[0] for p in r["curve"]] == [4, 8, 12], r
+        seconds = [p[1] for p in r["curve"]]
+        assert 0 < seconds[0] < seconds[1] < seconds[2], r  # training time only grows
+        assert all(0 <= p[2] <= 1 for p in r["curve"]) and r["final_metric"] == r["curve"][-1][2]
+        for target, reached, ddps in zip(targets, r["to_target"], ddp["to_target"], strict=True):
+            first = next(([p[0], p[1]] for p in r["curve"] if p[2] >= target), [None, None])
+            assert [reached["target"], reached["steps"], reached["seconds"]] == [target, *first], r
+            if reached["seconds"] is not None and ddps["seconds"]:
+                assert reached["ratio_to_ddp"] == reached["seconds"] / ddps["seconds"]
+    assert "time to target" in run.stdout and "to 0.15" in run.stdout and png.stat().st_size > 0
