@@ -515,6 +515,11 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
                 error = agreed_error(world, evaluate)
                 if error:
                     fail(results, runners, mode, f"evaluation after round {i + 1}: {error}")
+            if world.rank == 0:  # progress
+                print(f"round {i + 1}/{rounds}: " + ", ".join(f"{mode} {evaluations[mode][-1][1]:.4f}"
+                                                             for mode in args.modes if mode in runners), flush=True)
+        elif not args.eval_every and world.rank == 0 and (i + 1) % max(1, rounds // 10) == 0:
+            print(f"round {i + 1}/{rounds}: {len(runners)} of {len(args.modes)} modes running", flush=True)
     for runner in runners.values():
         if isinstance(runner, Peer):
             runner.close()
