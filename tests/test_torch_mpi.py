@@ -172,6 +172,34 @@ def test_a_bucket_starts_while_backward_is_still_running(topology):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["dense", "hitopk"])
+def test_gradients_become_views_of_the_buckets_and_zeroing_them_in_place_changes_no_bit(topology, algorithm):
+    """As DDP's gradient_as_bucket_view: after the allreduce each .grad lies in
+    its bucket; zero_grad(set_to_none=False) zeroes it there, backward adds
+    into the bucket itself, and the result is the same bits as with fresh
+    gradients."""
+    models = [Controlled(), Controlled()]
+    opts = [wrap(m, topology, algorithm=algorithm, density=0.2, selector="exact") for m in models]
+    for step in range(3):
+        grads = rank_grads(11, step)
+        opts[0].zero_grad()
+        opts[1].zero_grad(set_to_none=False)
+        for model, opt in zip(models, opts):
+            model.backward_with(grads[COMM.rank])
+            opt.step()
+        for fresh, in_place in zip(opts[0].buckets, opts[1].buckets):
+            assert_all(COMM, np.array_equal(bucket_gradient(opts[0], fresh), bucket_gradient(opts[1], in_place)),
+                       f"step {step} bucket {fresh.index}: zeroing in place changed the result")
+        for bucket in opts[1].buckets:
+            for view, p in zip(bucket.views, bucket.params):
+                assert_all(COMM, p.grad.data_ptr() == view.data_ptr() and p.grad.shape == p.shape,
+                           f"step {step}: a .grad is not its bucket's view")
+        assert_identical_bits(COMM, torch.cat([p.detach().flatten() for p in models[1].ps]).numpy(), "parameters")
+        assert_all(COMM, all(torch.equal(a, b) for a, b in zip(models[0].ps, models[1].ps)),
+                   f"step {step}: the parameters differ")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_accumulates_backward_passes_before_one_allreduce(topology):
     model = Controlled(dtype=torch.float64)
     opt = wrap(model, topology, algorithm="dense", backward_passes_per_step=2)

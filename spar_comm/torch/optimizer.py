@@ -14,8 +14,9 @@ in DDP), each bucket with its own allreducer, so ``algorithm="auto"`` chooses
 per bucket. A bucket's allreduce starts on a communication thread as soon as
 its last gradient has been accumulated (``register_post_accumulate_grad_hook``)
 while backward goes on. Buckets start in index order on every rank whatever
-order their gradients arrive in, so the collectives of all ranks match. The
-averaged gradient is written back into each parameter's ``.grad``.
+order their gradients arrive in, so the collectives of all ranks match. Each
+parameter's ``.grad`` then becomes a view of its bucket's result (DDP's
+``gradient_as_bucket_view``), valid until the next step reduces that bucket.
 
 Parameters on the rank's GPU (``cuda:i``, i its place on its host modulo the
 device count) make buckets and allreducers on the GPU (``Topology(device=
@@ -94,15 +95,19 @@ class _Bucket:
         self.finished = None
 
     def reduce(self, streams: NoStreams) -> None:
-        """Gather the gradients, allreduce in place, write the result back: on
-        the communication stream, once the gradients' producers are done."""
+        """Gather the gradients, allreduce in place, and make each ``.grad``
+        a view of its result (as DDP's ``gradient_as_bucket_view``): on the
+        communication stream, once the gradients' producers are done. A
+        gradient that is still its view (``zero_grad(set_to_none=False)``,
+        accumulation) is in the buffer already and is not copied."""
         self.times["start"] = time.perf_counter()
         with streams.communicating(self.produced):
             for view, p in zip(self.views, self.params):
-                view.copy_(p.grad)
+                if p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
             self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer)
             for view, p in zip(self.views, self.params):
-                p.grad.copy_(view)
+                p.grad = view
             self.finished = streams.finished()
         self.times["end"] = time.perf_counter()
 
