@@ -39,8 +39,8 @@ how long step() still waited after backward.
 
 Time to target (gpt, cnn): with --eval-every R, rank 0 measures every mode's
 held-out metric (the GPT's validation loss, the CNN's accuracy) every R
-rounds, and the report gives each mode's training time to --target: its
-slowest rank's step times summed, evaluations not counted. Every mode trains
+rounds, and the report gives each mode's training time to each of
+--targets: its slowest rank's step times summed, evaluations not counted. Every mode trains
 with the workload's optimizer (AdamW for the GPT, SGD with momentum for the
 CNN, as their train_*.py scripts do) from the same weights on the same batches.
 
