@@ -34,15 +34,16 @@ BatchNorm buffers that DDP broadcasts are left out.
 
 For spar_comm's optimizer modes a second table says where the communication
 went: selection, MPI inside and between nodes and the allreducers' own
-passes over memory, the copies of gradients into the buckets and back, and
-how long step() still waited after backward.
+passes over memory, the copies of gradients into the buckets (the results
+stay there, as .grad views), and how long step() still waited after backward.
 
 Time to target (gpt, cnn): with --eval-every R, rank 0 measures every mode's
 held-out metric (the GPT's validation loss, the CNN's accuracy) every R
 rounds, and the report gives each mode's training time to each of
---targets: its slowest rank's step times summed, evaluations not counted. Every mode trains
-with the workload's optimizer (AdamW for the GPT, SGD with momentum for the
-CNN, as their train_*.py scripts do) from the same weights on the same batches.
+--targets: its slowest rank's step times summed, evaluations not counted.
+Every mode trains with the workload's optimizer (AdamW for the GPT, SGD with
+momentum for the CNN, as their train_*.py scripts do) from the same weights
+on the same batches.
 
     mpiexec -n 4 python drivers/bench_peers.py mlp --ranks-per-node 2 --out peers.json --plot peers.png
     mpiexec -n 2 python drivers/bench_peers.py gpt --tiny --warmup 2 --repeat 2
@@ -291,7 +292,7 @@ def phases_of(opt: torch.optim.Optimizer) -> Dict[str, float]:
     """This rank's last step: inside the allreducers, selection, MPI inside and
     between nodes, and their own passes over memory (residual adds,
     scatter-adds, codecs, the check); around them, the copies of the gradients
-    into the buckets and back; and how long step() waited after backward for
+    into the buckets; and how long step() waited after backward for
     the buckets still being reduced."""
     figures = dict.fromkeys(PHASES, 0.0)
     for bucket, times in zip(opt.buckets, opt.last_timings):
