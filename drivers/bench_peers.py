@@ -83,6 +83,7 @@ import spar_comm.torch as sct  # noqa: E402
 import train_cnn  # noqa: E402
 import train_gpt  # noqa: E402
 from spar_comm import ALGORITHMS, Topology  # noqa: E402
+from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.files import write_json  # noqa: E402
@@ -110,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=list(MODES), help="comma-separated (default: all)")
     common.add_argument("--density", type=density, default=0.001,
                         help="spar_comm's share of each gradient sent (default: %(default)s)")
+    common.add_argument("--selector", choices=sorted(SELECTORS), default="mstopk",
+                        help="spar_comm's top-k selector (default: %(default)s)")
     common.add_argument("--batch-size", type=positive_int, default=32, help="per rank (default: %(default)s)")
     common.add_argument("--bucket-cap-mb", type=positive_float, default=25,
                         help="DDP's and spar_comm's buckets (default: %(default)s)")
@@ -321,7 +324,7 @@ def build_ddp(mode: str, replica: torch.nn.Module, work: Workload, args: argpars
             start_powerSGD_iter=2, min_compression_rate=MIN_COMPRESSION_RATE, random_seed=args.seed)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif mode == "spar_hook":
-        model.register_comm_hook(*sct.comm_hook("hitopk", args.density, topology=topology))
+        model.register_comm_hook(*sct.comm_hook("hitopk", args.density, selector=args.selector, topology=topology))
     return Runner(model, work.new_optimizer(model.parameters()), lambda: None)
 
 
@@ -336,7 +339,8 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Na
         return build_ddp(mode, replica, work, args, topology)
     algorithm, values, indices = SPAR[mode]
     opt = sct.DistributedOptimizer(work.new_optimizer(replica.parameters()), replica.named_parameters(),
-                                   algorithm=algorithm, density=args.density, topology=topology,
+                                   algorithm=algorithm, density=args.density, selector=args.selector,
+                                   topology=topology,
                                    bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices)
     chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),

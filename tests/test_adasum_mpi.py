@@ -75,7 +75,7 @@ def test_bytes_are_the_shard_once_per_level_and_fold(topology):
     reducer.allreduce(integers([5, COMM.rank]))
     nodes, node, local = topology.num_nodes, topology.node, topology.local_size
     top = 1 << (nodes.bit_length() - 1)
-    shard_bytes = reducer.region.nbytes
+    shard_bytes = reducer.allgather.region.nbytes
     sends = 1 if node >= top else (top.bit_length() - 1) + (node + top < nodes)
     combines = 0 if node >= top else (top.bit_length() - 1) + (node + top < nodes)
     intra = ((local - 1) * N * 4 // local + (local - 1) * shard_bytes

@@ -15,7 +15,7 @@ from spar_comm import ALGORITHMS, make_allreducer
 from spar_comm.collectives.channel import Channel
 from spar_comm.collectives import shm
 from spar_comm.collectives.shm import (ENV_SHARED_MEMORY, BufferedReduceScatter, MessageReduceScatter,
-                                       SharedReduceScatter)
+                                       SharedAllgather, SharedReduceScatter)
 
 COMM = MPI.COMM_WORLD
 STEPS = 4
@@ -198,9 +198,12 @@ def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
 ], ids=["slots", "buffer"])
 def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, monkeypatch, make):
     """Slots: one fence per round, so a slot half is written again only after
-    the next fence. Buffer: a fence after the sums, since the caller writes its
-    buffer again. A slow owner (local rank 0 sleeps before every sum) must still
-    read every piece intact while the others run ahead."""
+    the next fence. Buffer: the Allgather's fence ends the reads of the
+    buffers, and each rank writes its buffer (here the result goes there, as
+    ``out=buffer`` does) only after it. Allgather: a region is written again
+    only after the next Reduce_scatter's fence. A slow rank (local rank 0
+    sleeps before every sum and every copy) must still read every piece
+    intact while the others run ahead."""
     if not COMM.allreduce(topology.local_size > 1 and topology.local_shares_memory, op=MPI.LAND):  # on all alike
         pytest.skip("needs two ranks sharing memory on every node")
     ledger = {"t_intra": 0.0, "bytes_intra": 0, "bytes_staged": 0}
@@ -208,9 +211,11 @@ def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, mon
     n, dtype = 999, "float32"
     counts = topology.local_shard_counts(n)
     shared = make(channel, counts, np.dtype(dtype))
+    gather = SharedAllgather(channel, counts, np.dtype(dtype))
     if topology.local_rank == 0:
-        summing = shm.sum_parts
+        summing, copying = shm.sum_parts, SharedAllgather.__call__
         monkeypatch.setattr(shm, "sum_parts", lambda *args: (time.sleep(0.002), summing(*args)))
+        monkeypatch.setattr(SharedAllgather, "__call__", lambda *args: (time.sleep(0.002), copying(*args)))
     members = topology.local.allgather(COMM.rank)  # the node's ranks, in local order
     lo = sum(counts[: topology.local_rank])
     shard = slice(lo, lo + counts[topology.local_rank])
@@ -221,12 +226,16 @@ def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, mon
         if shared.buffer is not None:  # assembled in place, as a training loop would
             shared.buffer[...] = send
             send = shared.buffer
-        mine = np.empty(counts[topology.local_rank], dtype)
-        shared(send, mine)
-        results.append(np.array_equal(mine, np.sum([grads[r][shard] for r in members], axis=0, dtype=dtype)))
+        shared(send, gather.region)
+        expected = np.sum([grads[r] for r in members], axis=0, dtype=dtype)
+        results.append(np.array_equal(gather.region, expected[shard]))
+        out = send if shared.buffer is not None else np.empty(n, dtype)
+        gather(out)
+        results.append(np.array_equal(out, expected))
     shared.free()
+    gather.free()
     rounds = getattr(shared, "rounds", 1)
-    assert_all(COMM, all(results), f"steps equal to MPI's: {results} ({rounds} rounds)")
+    assert_all(COMM, all(results), f"shards, then results, equal to the sums: {results} ({rounds} rounds)")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -51,9 +51,8 @@ class AdasumAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.node_reduce_scatter()
+        self.node_collectives()
         self.lo, hi = topology.owned_range(self.size)
-        self.region = self.xp.empty(hi - self.lo, self.dtype)
         self.theirs = self.xp.empty(hi - self.lo, self.dtype)
         shards = topology.shards_per_node
         # My shards within my region, each with its rail (rail rank = node).
@@ -67,7 +66,7 @@ class AdasumAllreducer(Allreducer):
         self.all_partials = self.xp.zeros(3 * shards, np.float64)
 
     def _reduce(self, grad: Any) -> Any:
-        region = self.region
+        region = self.allgather.region  # my shards of the result
         self.reduce_scatter(grad, region)
         if self.average and self.local.size > 1:
             region /= self.local.size
@@ -91,7 +90,7 @@ class AdasumAllreducer(Allreducer):
             if folded:
                 self._each_rail(lambda rail, lo, hi: rail.send(region[lo:hi], node + top, _UNFOLD))
         out = self.output(zeroed=False)
-        self.local.allgatherv(region, out, self.counts)
+        self.allgather(out)
         self.last["k"] = self.size
         return out
 
@@ -119,4 +118,4 @@ class AdasumAllreducer(Allreducer):
         xp.multiply(wa, ca, out=wa)
         xp.multiply(wb, cb, out=wb)
         xp.add(wa, wb, out=wa)
-        self.region[...] = wa
+        self.allgather.region[...] = wa

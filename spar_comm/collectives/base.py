@@ -37,8 +37,14 @@ from .checks import BAD_OUT, BAD_STATE, problems_of, refusal, settings_problem
 from .codecs import make_codec, make_index_codec
 from .feedback import ErrorFeedback, Residual
 from .pairs import PairExchange
-from .shm import MessageReduceScatter, node_reduce_scatter
+from .shm import MessageAllgather, MessageReduceScatter, node_collectives
 from .topk import TopK, selection_size
+
+
+#: Positions of an array, per element, past which one pass over all of it is
+#: faster than indexing them (NumPy's fancy indexing costs about 20 passes' time
+#: per position).
+WHOLE_PASS_BEYOND = 1 / 32
 
 
 def sum_dtype(dtype: Any) -> np.dtype:
@@ -122,7 +128,8 @@ class Allreducer:
         self.codec = make_codec(values, self.dtype, self.xp)
         self.index_codec = indices
         self._buffer: Any = None  # see ``buffer``
-        self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_reduce_scatter``)
+        self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_collectives``)
+        self.allgather: Any = None
         self._code = np.zeros(1, dtype=np.int32)
         self._out: Any = None
         self._codes = np.zeros(world.size, dtype=np.int32)
@@ -135,16 +142,19 @@ class Allreducer:
         inter = spans_nodes and self.topology.num_nodes > 1
         return Channel(comm, "inter" if inter else "intra", self.last, self.memory)
 
-    def node_reduce_scatter(self) -> None:
-        """Set up the node's phase: ``local`` (the node's channel), ``counts``
-        (each local rank's share of the vector) and ``reduce_scatter`` (see
-        ``shm.node_reduce_scatter``); with ``shared_buffer`` its shared vector
-        becomes ``buffer``."""
+    def node_collectives(self) -> None:
+        """Set up the node's phases: ``local`` (the node's channel), ``counts``
+        (each local rank's share of the vector), ``reduce_scatter`` and
+        ``allgather`` (see ``shm.node_collectives``: every Reduce_scatter is
+        followed by an Allgather of ``allgather.region``, where this rank
+        builds its part of the result); with ``shared_buffer`` the shared
+        vector becomes ``buffer``."""
         self.local = self.channel(self.topology.local, spans_nodes=False)
         self.counts = self.topology.local_shard_counts(self.size)
         shares_memory = self.topology.local_shares_memory and self.memory.in_host_memory
         in_place = self.shared_buffer and self._wide is None  # a 16-bit gradient is widened elsewhere
-        self.reduce_scatter = node_reduce_scatter(self.local, self.counts, self.dtype, shares_memory, in_place)
+        self.reduce_scatter, self.allgather = node_collectives(self.local, self.counts, self.dtype, shares_memory,
+                                                               in_place)
         self._buffer = self.reduce_scatter.buffer  # None: plain memory, made when asked for
 
     @classmethod
@@ -181,6 +191,15 @@ class Allreducer:
         if self.average and self.world.size > 1:
             values /= self.world.size
         return values
+
+    def averaged_at(self, region: Any, positions: Any) -> None:
+        """``averaged`` at ``positions`` of ``region``, which is zero elsewhere:
+        indexed, or in one pass over the region when they are many (zero stays
+        zero, so the bits are the same)."""
+        if positions.size > WHOLE_PASS_BEYOND * region.size:
+            self.averaged(region)
+        else:
+            region[positions] = self.averaged(region[positions])
 
     # -- the public interface ----------------------------------------------------------
     @property
@@ -291,14 +310,15 @@ class Allreducer:
         mine.values[...] = self.xp.asarray(values)
 
     def free(self) -> None:
-        """Release the node's shared-memory window, where the algorithm holds one.
-        Collective over the node; optional, since MPI_Finalize releases it too.
-        Later calls go through MPI's Reduce_scatter; an array taken from
-        ``buffer`` before must not be used after."""
+        """Release the node's shared-memory windows, where the algorithm holds
+        them. Collective over the node; optional, since MPI_Finalize releases
+        them too. Later calls go through MPI's Reduce_scatter and Allgatherv;
+        an array taken from ``buffer`` before must not be used after."""
         if self.reduce_scatter is not None:
-            used = self.reduce_scatter
-            used.free()
-            self.reduce_scatter = MessageReduceScatter(used.channel, used.counts)
+            for used in (self.reduce_scatter, self.allgather):
+                used.free()
+            self.reduce_scatter = MessageReduceScatter(self.local, self.counts)
+            self.allgather = MessageAllgather(self.local, self.counts, self.dtype)
             self._buffer = None
 
     # -- internals ---------------------------------------------------------------------

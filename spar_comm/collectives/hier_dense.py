@@ -19,25 +19,25 @@ class HierDenseAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.node_reduce_scatter()
+        self.node_collectives()
         self.lo, _ = topology.owned_range(self.size)
-        self.region = self.xp.empty(self.counts[self.local.rank], dtype=self.dtype)
         self.rails = []  # (my part of the region for shard j, its sum over shard j's rail)
         for j, comm in topology.rails.items():
             lo, hi = shard_bounds(self.size, topology.shards_per_node, j)
             summed = dense_sum(self.channel(comm, spans_nodes=True), hi - lo, self.dtype, self.codec)
             self.rails.append((slice(lo - self.lo, hi - self.lo), summed))
         if self.codec.lossy:
-            self.feedback.cover(self.lo, self.lo + len(self.region))
+            self.feedback.cover(self.lo, self.lo + self.counts[self.local.rank])
 
     def _reduce(self, grad: Any) -> Any:
-        region = self.region
+        region = self.allgather.region  # my shard of the result
         self.reduce_scatter(grad, region)
         acc = self.feedback.add(region)  # the region itself unless a residual is kept
         for part, summed in self.rails:
             mine = region[part]
             summed(mine if acc is region else acc[part], mine, self.feedback)
+        self.averaged(region)
         out = self.output(zeroed=False)
-        self.local.allgatherv(self.averaged(region), out, self.counts)
+        self.allgather(out)
         self.last["k"] = self.size
         return out

@@ -4,8 +4,9 @@
 2. add the residual and select k_shard = ceil(density * shard) of the shard;
 3. rail Allgather of the (index, value) pairs between the shard's owners on
    every node; scatter-add (duplicates summed);
-4. local Allgather of the reduced shards, sparse or dense, whichever moves
-   fewer bytes (the choice is made from counts every local rank sees).
+4. local Allgather of the reduced shards: each rank copies them out of the
+   node's shared memory, or where the node shares none, MPI moves them as
+   (index, value) pairs or dense, whichever is fewer bytes.
 
 Only k_shard pairs per rank cross nodes, and the dense traffic stays inside
 the node where bandwidth is plentiful.
@@ -18,9 +19,7 @@ import numpy as np
 
 from ..kernels import sorted_distinct
 from ..topology import shard_bounds
-from .base import Allreducer
-from .channel import displacements
-from .pairs import PairLayout
+from .base import WHOLE_PASS_BEYOND, Allreducer
 
 
 class _Site:
@@ -39,16 +38,14 @@ class HiTopKAllreducer(Allreducer):
 
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
-        self.node_reduce_scatter()
-        self.offsets = displacements(self.counts)
+        self.node_collectives()
         self.lo, self.hi = topology.owned_range(self.size)
         self.sites = [_Site(self, j, self.channel(c, spans_nodes=True)) for j, c in topology.rails.items()]
-        xp = self.xp
-        self.region = xp.empty(self.hi - self.lo if self.local.size > 1 and not self.error_feedback else 0, self.dtype)
-        self.reduced = xp.zeros(self.hi - self.lo if self.local.size > 1 else 0, self.dtype)
+        # The node's sum of my region, where no residual takes it.
+        self.node_sum = self.xp.empty(self.hi - self.lo if self.local.size > 1 and not self.error_feedback else 0,
+                                      self.dtype)
         self.feedback.cover(self.lo, self.hi)
-        self._count = xp.zeros(1, dtype=np.int64)
-        self._counts = xp.zeros(self.local.size, dtype=np.int64)
+        self._written = self.xp.zeros(0, dtype=np.int64)  # the positions of the node's region the last call wrote
 
     def _reduce(self, grad: Any) -> Any:
         acc = self._node_sum_with_residual(grad)
@@ -56,15 +53,20 @@ class HiTopKAllreducer(Allreducer):
         if self.local.size == 1:  # this rank is its node: sum straight into the output, as topka does
             out = self.output(zeroed=True)  # grad (perhaps ``out``) was read for the last time above
             touched = self._exchange(picks, out, acc)
-            out[touched] = self.averaged(out[touched])
+            self.averaged_at(out, touched)
             return out
-        reduced = self.reduced  # zero outside the positions touched below
+        gather = self.allgather
+        reduced = gather.region  # zero but where the last call wrote
+        if self._written.size > WHOLE_PASS_BEYOND * reduced.size:  # as in averaged_at
+            reduced.fill(0)
+        else:
+            reduced[self._written] = 0
         touched = self._exchange(picks, reduced, acc)
-        reduced[touched] = self.averaged(reduced[touched])
-        try:
-            return self._share_in_node(reduced, sorted_distinct(touched))  # each position sent once
-        finally:
-            reduced[touched] = 0
+        self.averaged_at(reduced, touched)
+        self._written = touched
+        out = self.output(zeroed=False)
+        gather(out, sorted_distinct(touched) if gather.takes_positions else None)  # each position sent once
+        return out
 
     def _exchange(self, picks: list, region: Any, acc: Any) -> Any:
         """Every site's rail Allgather of its picks, summed into ``region`` (mine),
@@ -82,30 +84,5 @@ class HiTopKAllreducer(Allreducer):
         if self.error_feedback:  # summed straight into the residual: one pass fewer
             self.reduce_scatter(grad, self.feedback.residual, accumulate=True)
             return self.feedback.residual
-        self.reduce_scatter(grad, self.region)
-        return self.region
-
-    def _share_in_node(self, reduced: Any, positions: Any) -> Any:
-        """Local Allgather of every rank's reduced region, sparse when that is smaller."""
-        self._count[0] = positions.size
-        self.local.allgather(self._count, self._counts)
-        layouts = [PairLayout(u, self.dtype, self.xp) for u in self._counts.tolist()]
-        sparse_bytes = sum(layout.nbytes for layout in layouts)
-        dense = sparse_bytes >= reduced.itemsize * self.size
-        out = self.output(zeroed=not dense)
-        if dense:
-            self.local.allgatherv(reduced, out, self.counts)
-            return out
-        mine = layouts[self.local.rank]
-        sendbuf = mine.empty()
-        values, indices = mine.views(sendbuf)
-        values[:] = reduced[positions]
-        indices[:] = positions
-        recvbuf = self.xp.empty(sparse_bytes, dtype=np.uint8)
-        self.local.allgatherv(sendbuf, recvbuf, [layout.nbytes for layout in layouts])
-        start = 0
-        for layout, offset in zip(layouts, self.offsets):
-            values, indices = layout.views(recvbuf[start : start + layout.nbytes])
-            out[offset + indices] = values
-            start += layout.nbytes
-        return out
+        self.reduce_scatter(grad, self.node_sum)
+        return self.node_sum

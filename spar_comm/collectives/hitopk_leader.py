@@ -37,6 +37,6 @@ class HiTopKLeaderAllreducer(Allreducer):
             acc = self.feedback.add(node_sum)
             indices, values = self.topk(acc)
             touched = self.exchange(indices, values, out, acc)
-            out[touched] = self.averaged(out[touched])
+            self.averaged_at(out, touched)
         self.local.bcast(out)
         return out

@@ -1,57 +1,72 @@
-"""Reduce_scatter inside a node through an MPI shared-memory window.
+"""The node's Reduce_scatter and Allgather through MPI shared-memory windows.
 
-MPI's Reduce_scatter moves every shard through message buffers: a copy in, a
-copy out, then the sum. Here every rank copies the parts that other ranks own
-into its own slot of one window, and each owner sums its shard straight out
-of all slots, in rank order (so the bits never depend on timing). A slot
-holds a bounded piece per owner, so a long vector goes in rounds and the
-window stays small whatever the model size.
+MPI's collectives move every block through message buffers: a copy in, a
+copy out (and for Reduce_scatter the sum). Here the node's ranks read each
+other's memory instead.
 
-Each slot is double: rounds (and calls) alternate between its two halves, so
-one fence per round is enough. A rank writes a half again only after the
-next round's fence, which every owner passes only once it has read that half.
+Reduce_scatter: every rank copies the parts that other ranks own into its
+own slot of one window, and each owner sums its shard straight out of all
+slots, in rank order (so the bits never depend on timing). A slot holds a
+bounded piece per owner, so a long vector goes in rounds and the window
+stays small whatever the model size. Each slot is double: rounds (and calls)
+alternate between its two halves, so one fence per round is enough. A rank
+writes a half again only after the next round's fence, which every owner
+passes only once it has read that half.
 
 With a shared buffer (``shared_buffer=True`` on the allreducer) each rank's
 segment is instead a whole vector that the caller may assemble its gradient
 in: owners then read it where it lies, and nothing is copied in at all.
+
+Allgather: each rank builds its part of the result in its segment of a
+second window (``region``); one fence publishes every part, and each rank
+copies them all into its result: one copy, where MPI's Allgatherv makes two.
+That fence also ends the Reduce_scatter's reads of the shared buffers, so
+the pair needs two fences a call: one before the sums, one before the copies.
 """
 from __future__ import annotations
 
 import atexit
 import os
 import time
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .channel import Channel, displacements
+from .pairs import PairLayout
 
 #: Bytes of window per rank at most (two halves, each a piece for every other owner).
 SLOT_BYTES = 64 << 20
 #: Elements summed at a time by ``sum_parts`` (256 KiB of float32).
 SUM_CHUNK = 1 << 16
-#: Set to 0 to use MPI's own Reduce_scatter instead.
+#: Set to 0 to use MPI's own Reduce_scatter and Allgatherv instead.
 ENV_SHARED_MEMORY = "SPAR_COMM_SHM"
 
 
-def node_reduce_scatter(channel: Channel, counts: Sequence[int], dtype: np.dtype, shares_memory: bool,
-                        shared_buffer: bool = False):
-    """The fastest Reduce_scatter the node allows, as ``reduce_scatter(send, recv,
-    accumulate=False)``; with ``accumulate`` the shard's sum is added to ``recv``
-    (the residual) in the same pass instead of overwriting it. With
-    ``shared_buffer`` its ``.buffer`` is a whole vector in shared memory: a
-    gradient assembled there is read in place (no copy in); otherwise
-    ``.buffer`` is None.
+def node_collectives(channel: Channel, counts: Sequence[int], dtype: np.dtype, shares_memory: bool,
+                     shared_buffer: bool = False) -> Tuple[Any, Any]:
+    """The fastest Reduce_scatter and Allgather the node allows, as a pair
+    ``(reduce_scatter, allgather)``:
 
+    * ``reduce_scatter(send, recv, accumulate=False)`` leaves this rank's
+      shard of the node's sum in ``recv``, or with ``accumulate`` adds it to
+      ``recv`` (the residual) in the same pass; its ``.buffer`` is, with
+      ``shared_buffer``, a whole vector in shared memory where a gradient
+      assembled is read in place (no copy in), and None otherwise;
+    * ``allgather(out, positions=None)`` fills ``out`` with every rank's
+      ``allgather.region`` (this rank's part of the result, ``counts[rank]``
+      long), given the positions of its nonzeros where the caller knows them.
+
+    Every call of the pair's ``reduce_scatter`` must be followed by one of its
+    ``allgather`` before the caller writes its buffer or ``recv`` again.
     Collective over the node: its ranks agree on the choice (``SPAR_COMM_SHM``
-    may differ between them) before one window is allocated."""
+    may differ between them) before any window is allocated."""
     wanted = int(shares_memory and os.environ.get(ENV_SHARED_MEMORY, "1") != "0")
     if channel.size > 1 and channel.comm.allreduce(wanted, op=MPI.MIN):  # the node agrees
-        if shared_buffer:
-            return BufferedReduceScatter(channel, counts, dtype)
-        return SharedReduceScatter(channel, counts, dtype)
-    return MessageReduceScatter(channel, counts)
+        scatter = BufferedReduceScatter if shared_buffer else SharedReduceScatter
+        return scatter(channel, counts, dtype), SharedAllgather(channel, counts, dtype)
+    return MessageReduceScatter(channel, counts), MessageAllgather(channel, counts, dtype)
 
 
 def sum_parts(parts: Sequence[np.ndarray], out: np.ndarray, accumulate: bool = False) -> None:
@@ -189,7 +204,12 @@ class BufferedReduceScatter:
     """``reduce_scatter(send, recv, accumulate=False)`` where each rank's window
     segment is a whole vector, ``.buffer``. A gradient assembled in ``.buffer``
     is read where it lies; any other ``send`` is first copied there (the parts
-    other ranks own). Each owner sums its shard out of every rank's buffer."""
+    other ranks own). Each owner sums its shard out of every rank's buffer.
+
+    Other ranks may still be reading this rank's buffer when the call
+    returns: only the fence of the ``SharedAllgather`` that follows (see
+    ``node_collectives``) ends their reads, and a rank writes its buffer
+    again only after it."""
 
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
         self.channel, self.comm, self.counts = channel, channel.comm, list(counts)
@@ -208,8 +228,84 @@ class BufferedReduceScatter:
         self.window.fence()
         parts = [send[shards[me]] if r == me else self.window.segments[r][shards[me]] for r in range(g)]
         sum_parts(parts, recv, accumulate)
-        self.window.fence()  # every owner has read before any rank writes its buffer again
         self.channel.book(start, (g - 1) * send.nbytes // g)
 
     def free(self) -> None:
         self.window.free()
+
+
+class SharedAllgather:
+    """``allgather(out)``: every rank's ``region`` (a segment of a shared window)
+    copied into ``out``, after one fence.
+
+    A rank writes its region again only in its next call of the pair, after
+    that call's Reduce_scatter has fenced; no rank passes that fence before
+    it has finished copying this call's regions, so no second fence is needed."""
+
+    #: The positions of the region's nonzeros would not help: nothing is packed.
+    takes_positions = False
+
+    def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
+        self.channel, self.counts = channel, list(counts)
+        self.offsets = displacements(counts)
+        self.window = NodeWindow(channel.comm, max(self.counts), dtype)
+        self.region = self.window.segments[channel.rank][: self.counts[channel.rank]]
+        self.region[...] = 0  # as a plain region starts
+
+    def __call__(self, out: np.ndarray, positions: Optional[np.ndarray] = None) -> None:
+        start = time.perf_counter()
+        self.window.fence()
+        for segment, first, n in zip(self.window.segments, self.offsets, self.counts):
+            out[first : first + n] = segment[:n]
+        self.channel.book(start, (self.channel.size - 1) * self.region.nbytes)
+
+    def free(self) -> None:
+        self.window.free()
+
+
+class MessageAllgather:
+    """MPI's Allgatherv of every rank's ``region``, behind the same call; given
+    the positions of the region's nonzeros, (position, value) pairs instead
+    wherever those move fewer bytes (decided from counts that every rank sees)."""
+
+    takes_positions = True
+
+    def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
+        xp = channel.memory.xp
+        self.channel, self.counts, self.dtype = channel, list(counts), np.dtype(dtype)
+        self.offsets = displacements(counts)
+        self.region = xp.zeros(self.counts[channel.rank], self.dtype)
+        self._count = xp.zeros(1, dtype=np.int64)
+        self._counts = xp.zeros(channel.size, dtype=np.int64)
+
+    def __call__(self, out: Any, positions: Any = None) -> None:
+        if positions is None or not self._sparse(out, positions):
+            self.channel.allgatherv(self.region, out, self.counts)
+
+    def _sparse(self, out: Any, positions: Any) -> bool:
+        """Send the pairs at ``positions`` if that moves fewer bytes than the
+        regions; whether it did."""
+        xp = self.channel.memory.xp
+        self._count[0] = positions.size
+        self.channel.allgather(self._count, self._counts)
+        layouts = [PairLayout(u, self.dtype, xp) for u in self._counts.tolist()]
+        sparse_bytes = sum(layout.nbytes for layout in layouts)
+        if sparse_bytes >= self.dtype.itemsize * sum(self.counts):
+            return False
+        mine = layouts[self.channel.rank]
+        sendbuf = mine.empty()
+        values, indices = mine.views(sendbuf)
+        values[:] = self.region[positions]
+        indices[:] = positions
+        recvbuf = xp.empty(sparse_bytes, dtype=np.uint8)
+        self.channel.allgatherv(sendbuf, recvbuf, [layout.nbytes for layout in layouts])
+        out.fill(0)
+        start = 0
+        for layout, offset in zip(layouts, self.offsets):
+            values, indices = layout.views(recvbuf[start : start + layout.nbytes])
+            out[offset + indices] = values
+            start += layout.nbytes
+        return True
+
+    def free(self) -> None:
+        pass

@@ -27,5 +27,5 @@ class TopKAllgatherAllreducer(Allreducer):
         indices, values = self.topk(acc)
         out = self.output(zeroed=True)
         touched = self.exchange(indices, values, out, acc)
-        out[touched] = self.averaged(out[touched])
+        self.averaged_at(out, touched)
         return out

@@ -91,7 +91,7 @@ def dense(x: Shape) -> Terms:
 def hier_dense(x: Shape) -> Terms:
     shard = x.nbytes / x.g
     rails = x.coded_sum(x.rails, math.ceil(x.n / x.g)) if x.lossy else mpi.allreduce(x.rails, shard)
-    return mpi.shared_reduce_scatter(x.local, x.nbytes) + rails + mpi.allgather(x.local, shard)
+    return mpi.shared_reduce_scatter(x.local, x.nbytes) + rails + mpi.shared_allgather(x.local, x.nbytes)
 
 
 def topka(x: Shape) -> Terms:
@@ -112,16 +112,12 @@ def gtopk(x: Shape) -> Terms:
 def hitopk(x: Shape) -> Terms:
     shard = math.ceil(x.n / x.g)
     k = selection_size(x.density, shard)
-    nonzero = min(x.nodes * k, shard)  # distinct indices after the rail exchange, at most
-    sparse_block = x.pairs(nonzero)
     terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + x.select(shard)
-    residual_add = shard * x.s if x.g == 1 else 0  # otherwise part of the shard's sum
-    terms["gamma"] += residual_add + x.nbytes + x.nodes * x.wire(k, shard) + x.g * x.pairs(k)  # zero fill, adds
+    if x.g == 1:  # the residual add, and the zero fill of the output (the rank is its node)
+        terms["gamma"] += shard * x.s + x.nbytes
+    terms["gamma"] += x.nodes * x.wire(k, shard) + x.g * x.pairs(k)  # decoding, scatter-adds
     terms += mpi.allgather(x.rails, x.wire(k, shard))
-    if x.g > 1:
-        terms += mpi.allgather(x.local, 8)  # nonzero counts
-        terms += mpi.allgather(x.local, min(sparse_block, shard * x.s))  # sparse or dense, the smaller
-    return terms
+    return terms + mpi.shared_allgather(x.local, x.nbytes)
 
 
 def hitopk_leader(x: Shape) -> Terms:
@@ -142,7 +138,7 @@ def adasum(x: Shape) -> Terms:
     shard = x.nbytes / x.g
     levels = x.nodes.bit_length() - 1
     folds = x.nodes - 2**levels
-    terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + mpi.allgather(x.local, shard)
+    terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + mpi.shared_allgather(x.local, x.nbytes)
     if x.g > 1:
         terms["gamma"] += shard  # the division by the node's size
     combines = levels + (1 if folds else 0)

@@ -24,8 +24,9 @@ Algorithm choice follows MPICH's long-standing defaults (CVARs in brackets):
 Counts of ranks that are not powers of two are costed with ceil(log2 p)
 steps of the halving/doubling schedules.
 
-The node's Reduce_scatter is not MPI's: spar_comm sums through a shared-memory
-window (``shared_reduce_scatter``): reads instead of messages, and one fence.
+The node's Reduce_scatter and Allgather are not MPI's: spar_comm moves them
+through shared-memory windows (``shared_reduce_scatter``,
+``shared_allgather``): reads instead of messages, and one fence each.
 """
 from __future__ import annotations
 
@@ -144,6 +145,16 @@ def shared_reduce_scatter(span: Span, nbytes: float) -> Terms:
     if p == 1:
         return Terms()
     return Terms(gamma=(p - 1) / p * nbytes + nbytes / p, beta_intra=(p - 1) / p * nbytes, alpha_intra=span.steps)
+
+
+def shared_allgather(span: Span, nbytes: float) -> Terms:
+    """spar_comm's own Allgather inside a node (``collectives/shm.py``): a fence,
+    then each rank copies its own part of the ``nbytes`` vector out of the
+    window (a local pass) and reads the other ranks' parts (intra-node bytes)."""
+    p = span.size
+    if p == 1:
+        return Terms()
+    return Terms(gamma=nbytes / p, beta_intra=(p - 1) / p * nbytes, alpha_intra=span.steps)
 
 
 def allgather(span: Span, block: float) -> Terms:
