@@ -113,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="spar_comm's share of each gradient sent (default: %(default)s)")
     common.add_argument("--selector", choices=sorted(SELECTORS), default="mstopk",
                         help="spar_comm's top-k selector (default: %(default)s)")
+    common.add_argument("--dense-below", type=positive_int, default=None, metavar="ELEMENTS",
+                        help="spar_comm's optimizer modes: reduce parameters of fewer elements densely "
+                             "(DistributedOptimizer's dense=: norms, biases, small embeddings)")
     common.add_argument("--batch-size", type=positive_int, default=32, help="per rank (default: %(default)s)")
     common.add_argument("--bucket-cap-mb", type=positive_float, default=25,
                         help="DDP's and spar_comm's buckets (default: %(default)s)")
@@ -338,10 +341,11 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Na
             sct.init_process_group("gloo", comm=topology.world, timeout=datetime.timedelta(seconds=args.peer_timeout))
         return build_ddp(mode, replica, work, args, topology)
     algorithm, values, indices = SPAR[mode]
+    small = [name for name, p in replica.named_parameters() if p.numel() < (args.dense_below or 0)]
     opt = sct.DistributedOptimizer(work.new_optimizer(replica.parameters()), replica.named_parameters(),
                                    algorithm=algorithm, density=args.density, selector=args.selector,
                                    topology=topology,
-                                   bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices)
+                                   bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices, dense=small)
     chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
                   f"chose {chosen}" if mode == "spar_auto" else "", lambda: phases_of(opt))
@@ -666,7 +670,8 @@ def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, result
            parameters: int) -> None:
     """Rank 0: the table, and the plot and JSON where asked."""
     title = (f"{args.model}, {parameters:,} parameters; {world.size} ranks, {topology.describe().split(';')[0]}; "
-             f"batch {args.batch_size} per rank; median of {args.repeat}")
+             f"batch {args.batch_size} per rank; median of {args.repeat}; spar_comm: {args.selector} at density "
+             f"{args.density:g}" + (f", parameters below {args.dense_below:,} dense" if args.dense_below else ""))
     print(title)
     print(table(results), flush=True)
     if args.plot:

@@ -117,12 +117,16 @@ def test_bench_peers_times_every_mode_to_its_targets(run_driver, tmp_path):
     targets = [0.12, 0.15]
     run = run_driver("bench_peers.py", "cnn", "--width", "4", "--image", "8", "--batch-size", "16",
                      "--ranks-per-node", "1", "--modes", "ddp,ddp_powersgd_r1,spar_hitopk,no_comm",
-                     "--density", "0.1", "--warmup", "2", "--repeat", "10", "--eval-every", "4",
+                     "--density", "0.1", "--selector", "threshold", "--dense-below", "20",
+                     "--warmup", "2", "--repeat", "10", "--eval-every", "4",
                      "--targets", ",".join(map(str, targets)), "--peer-timeout", "30", "--out", out, "--plot", png,
                      ranks=2, timeout=240)
     assert run.returncode == 0, run.stderr
-    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    document = json.loads(out.read_text())
+    results = {r["mode"]: r for r in document["results"]}
     assert all(r["status"] == "ok" for r in results.values()), [r["error"] for r in results.values()]
+    assert document["settings"]["selector"] == "threshold" and document["settings"]["dense_below"] == 20
+    assert "spar_comm: threshold at density 0.1, parameters below 20 dense" in run.stdout
     ddp = results["ddp"]
     for mode, r in results.items():
         assert r["metric"] == "held-out accuracy" and [p[0] for p in r["curve"]] == [4, 8, 12], r

@@ -276,9 +276,14 @@ class BitmapIndices(Int32Indices):
         raw[: self.nbytes()] = self.xp.packbits(bits)
 
     def decode(self, raw: Any) -> Any:
+        """Record by record: ``flatnonzero`` of a row of booleans is several times
+        faster than ``nonzero`` of the whole (records, span) array."""
         xp = self.xp
-        bits = xp.unpackbits(xp.ascontiguousarray(raw[:, : self.nbytes()]), axis=1)
-        return xp.nonzero(bits)[1].reshape(raw.shape[0], self.k).astype(np.int32)
+        bits = xp.unpackbits(xp.ascontiguousarray(raw[:, : self.nbytes()]), axis=1).view(bool)
+        positions = xp.empty((raw.shape[0], self.k), dtype=np.int32)
+        for record, row in enumerate(bits):
+            positions[record] = xp.flatnonzero(row)
+        return positions
 
 
 def make_index_codec(name: Optional[str], k: int, span: int, xp: Any) -> Int32Indices:
