@@ -4,8 +4,11 @@ ranks in one run.
 
 Every mode holds its own replica of the model and its own optimizer; the
 modes take their steps in turn (one step each, round after round), so a slow
-spell of the machine hits all alike. A step's time is the slowest rank's;
-figures are medians of the timed rounds after warm-up.
+spell of the machine hits all alike, and each round starts one mode later
+than the last, so that no mode always follows the same one (on a shared
+machine the mode that runs right after torch's peers is slowed). A step's
+time is the slowest rank's; figures are medians of the timed rounds after
+warm-up.
 
   ddp                DistributedDataParallel on gloo
   ddp_fp16           DDP + fp16_compress_hook
@@ -499,7 +502,8 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
     evaluations = {mode: [] for mode in args.modes}  # rank 0: (round, metric)
     for i in range(rounds):
         batch = work.next_batch()
-        for m, mode in enumerate(args.modes):
+        for m in rotated(len(args.modes), i):
+            mode = args.modes[m]
             runner = runners.get(mode)
             if runner is None:
                 continue
@@ -559,6 +563,11 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
                 reached["ratio_to_ddp"] = reached["seconds"] / ddps["seconds"] if ddps["seconds"] else None
     parameters = sum(p.numel() for p in work.new_model().parameters())
     return [results[mode] for mode in args.modes], parameters
+
+
+def rotated(count: int, start: int) -> List[int]:
+    """``range(count)`` beginning at ``start`` (modulo ``count``): round i's order of the modes."""
+    return [(start + j) % count for j in range(count)]
 
 
 def learning_curve(evaluations: List[Tuple[int, float]], elapsed: np.ndarray, work: Workload,

@@ -100,6 +100,11 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
     assert "failed" in run.stdout and "spar_hitopk" in run.stdout and png.stat().st_size > 0
 
 
+def test_each_round_starts_one_mode_later():
+    orders = [bench_peers.rotated(3, i) for i in range(4)]
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+
+
 def test_time_to_target_is_the_first_evaluation_that_reaches_it():
     elapsed = np.cumsum([0.5, 0.25, 0.25, 1.0, 2.0, 0.5])
     lower = bench_peers.Workload(None, None, None, None, metric_name="validation loss", lower_is_better=True)
