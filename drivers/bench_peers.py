@@ -678,7 +678,7 @@ def main() -> None:
 def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, results: List[dict],
            parameters: int) -> None:
     """Rank 0: the table, and the plot and JSON where asked."""
-    title = (f"{args.model}, {parameters:,} parameters; {world.size} ranks, {topology.describe().split(';')[0]}; "
+    title = (f"{args.model}, {parameters:,} parameters; {topology.describe().split(';')[0]}; "
              f"batch {args.batch_size} per rank; median of {args.repeat}; spar_comm: {args.selector} at density "
              f"{args.density:g}" + (f", parameters below {args.dense_below:,} dense" if args.dense_below else ""))
     print(title)
