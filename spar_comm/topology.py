@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 from mpi4py import MPI
 
+from . import waiting
 from .consensus import raise_if_any, require_same
 from .device import open_memory
 from .memory import HostMemory
@@ -68,7 +69,7 @@ class Topology:
     def __init__(self, comm: Optional[MPI.Comm] = None, ranks_per_node: Optional[int] = None, device: str = "cpu"):
         comm = MPI.COMM_WORLD if comm is None else comm
         emulated, problem = _ranks_per_node(ranks_per_node)
-        raise_if_any(comm, problem)
+        raise_if_any(comm, problem or waiting.read_environment())
         require_same(comm, "topology", {"ranks_per_node": emulated, "device": device})
 
         self.world: MPI.Comm = comm.Dup()

@@ -29,6 +29,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from .. import waiting
 from ..consensus import raise_if_any, require_same
 from ..launch import abort_job
 from ..topology import Topology
@@ -350,6 +351,6 @@ class Allreducer:
             self._code[0] |= BAD_OUT
         if state is not None and not self.feedback.fits(state, self.memory):
             self._code[0] |= BAD_STATE
-        self.topology.world.Allgather(self._code, self._codes)
+        waiting.collective(self.topology.world, "Allgather", self._code, self._codes)  # where ranks meet: sleep
         if self._codes.any():
             raise refusal(self.name, self._codes, self.memory.kind, self.grad_dtype, self.size)

@@ -23,11 +23,13 @@ butterflies cross nodes in only some steps, so the links carry less.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import waiting
 from ..memory import HOST, HostMemory
 
 
@@ -98,36 +100,46 @@ class Channel:
             self._ledger["bytes_staged"] += self.memory.staged_bytes(send, recv)
         self.book(start, nbytes)
 
+    def _collective(self, name: str, nbytes: int, *args: Any, **kwargs: Any) -> None:
+        """``self.comm.<name>(*args, **kwargs)`` on buffers MPI was handed,
+        ``nbytes`` a rank (equal on all): small ones on host memory wait by
+        sleeping (``waiting.collective``)."""
+        host = self.memory.in_host_memory or not self.memory.cuda_aware
+        waiting.collective(self.comm, name, *args, nbytes=nbytes if host else math.inf, **kwargs)
+
     def allreduce(self, buf: Any) -> None:
         """Sum ``buf`` in place over the communicator."""
-        self._call(lambda _, b: self.comm.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM), buf, buf,
+        self._call(lambda _, b: self._collective("Allreduce", b.nbytes, MPI.IN_PLACE, b, op=MPI.SUM), buf, buf,
                    2 * (self.size - 1) * buf.nbytes // self.size)
 
     def reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int]) -> None:
-        self._call(lambda s, r: self.comm.Reduce_scatter(s, r, list(counts), op=MPI.SUM), send, recv,
-                   (self.size - 1) * send.nbytes // self.size)
+        self._call(lambda s, r: self._collective("Reduce_scatter", s.nbytes, s, r, list(counts), op=MPI.SUM),
+                   send, recv, (self.size - 1) * send.nbytes // self.size)
 
     def allgather(self, send: Any, recv: Any) -> None:
         """Equal blocks: ``recv`` holds ``size`` copies of ``send``'s length."""
-        self._call(self.comm.Allgather, send, recv, (self.size - 1) * send.nbytes)
+        self._call(lambda s, r: self._collective("Allgather", s.nbytes, s, r), send, recv,
+                   (self.size - 1) * send.nbytes)
 
     def alltoall(self, send: Any, recv: Any) -> None:
         """Equal blocks: block j of ``send`` goes to rank j, ``recv`` gets one from every rank."""
-        self._call(self.comm.Alltoall, send, recv, (self.size - 1) * send.nbytes // self.size)
+        self._call(lambda s, r: self._collective("Alltoall", s.nbytes, s, r), send, recv,
+                   (self.size - 1) * send.nbytes // self.size)
 
     def allgatherv(self, send: Any, recv: Any, counts: Sequence[int]) -> None:
         """Blocks of ``counts`` elements, placed one after another in ``recv``."""
         where = (list(counts), displacements(counts))
-        self._call(lambda s, r: self.comm.Allgatherv(s, [r, where]), send, recv, (self.size - 1) * send.nbytes)
+        self._call(lambda s, r: self._collective("Allgatherv", r.nbytes // self.size, s, [r, where]), send, recv,
+                   (self.size - 1) * send.nbytes)
 
     def bcast(self, buf: Any, root: int = 0) -> None:
         """The root only sends ``buf``, the others only receive it."""
         mine = self.rank == root
-        self._call(lambda s, r: self.comm.Bcast(s if mine else r, root=root), buf if mine else None,
-                   None if mine else buf, bcast_bytes(self.rank, root, self.size, buf.nbytes))
+        self._call(lambda s, r: self._collective("Bcast", buf.nbytes, s if mine else r, root=root),
+                   buf if mine else None, None if mine else buf, bcast_bytes(self.rank, root, self.size, buf.nbytes))
 
     def reduce(self, send: Any, recv: Any, root: int = 0) -> None:
-        self._call(lambda s, r: self.comm.Reduce(s, r, op=MPI.SUM, root=root), send, recv,
+        self._call(lambda s, r: self._collective("Reduce", s.nbytes, s, r, op=MPI.SUM, root=root), send, recv,
                    send.nbytes if self.rank != root else 0)
 
     def send(self, buf: Any, dest: int, tag: int) -> None:

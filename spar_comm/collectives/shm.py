@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from .. import waiting
 from .channel import Channel, displacements
 from .pairs import PairLayout
 
@@ -145,7 +146,7 @@ class NodeWindow:
     def fence(self) -> None:
         """Every rank's writes so far are visible to all, and every rank has arrived."""
         self.win.Sync()
-        self.comm.Barrier()
+        waiting.collective(self.comm, "Barrier")
         self.win.Sync()
 
     def free(self) -> None:

@@ -41,6 +41,7 @@ import torch
 from mpi4py import MPI
 
 from ..collectives import make_allreducer
+from .. import waiting
 from ..consensus import raise_if_any
 from ..device import device_index
 from ..errors import ConfigError, SparCommError
@@ -199,7 +200,7 @@ class _DistributedOptimizer:
         try:
             if job is None:
                 self._flags[0] = self._problems
-                self._comm.Allreduce(MPI.IN_PLACE, self._flags, op=MPI.BOR)
+                waiting.collective(self._comm, "Allreduce", MPI.IN_PLACE, self._flags, op=MPI.BOR)
                 self._done.set()
                 return
             try:

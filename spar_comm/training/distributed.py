@@ -14,6 +14,7 @@ import array_api_compat
 import numpy as np
 from mpi4py import MPI
 
+from .. import waiting
 from ..collectives import make_allreducer
 from ..memory import HostMemory
 from ..topology import Topology
@@ -54,13 +55,13 @@ class Group:
     def sum(self, values: Sequence[float]) -> np.ndarray:
         """Elementwise sum over ranks of a few float64 figures."""
         buf = np.asarray(values, dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        waiting.collective(self.comm, "Allreduce", MPI.IN_PLACE, buf, op=MPI.SUM)
         return buf
 
     def any_flags(self, flags: int) -> int:
         """The bitwise OR of every rank's ``flags``: how ranks agree on local events."""
         self._flag[0] = flags
-        self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.BOR)
+        waiting.collective(self.comm, "Allreduce", MPI.IN_PLACE, self._flag, op=MPI.BOR)
         return int(self._flag[0])
 
 

@@ -1,0 +1,106 @@
+"""Waits that sleep: a rank waiting for a late one leaves the core, every
+collective of a channel gives MPI's result on both sides of the size limit,
+and ranks that differ in SPAR_COMM_WAIT still meet."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpi_helpers import assert_all
+from spar_comm import ConfigError, Topology, waiting
+from spar_comm.collectives.channel import Channel, displacements
+
+COMM = MPI.COMM_WORLD
+LATE = 0.4  # seconds rank 0 arrives late
+
+
+@pytest.fixture(params=["sleep", "spin"])
+def mode(request, monkeypatch):
+    monkeypatch.setattr(waiting, "SLEEP", request.param == "sleep")
+    return request.param
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_waiting_for_a_late_one_sleeps(monkeypatch):
+    monkeypatch.setattr(waiting, "SLEEP", True)
+    comm = COMM.Dup()
+    comm.Barrier()
+    if comm.rank == 0:
+        time.sleep(LATE)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    waiting.collective(comm, "Barrier")
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    if comm.rank != 0:  # spinning in MPI_Barrier, a rank burns about the whole wait
+        assert_all(comm, wall > LATE / 2 and cpu < wall / 4, f"waited {wall:.3f} s using {cpu:.3f} s of CPU")
+    else:
+        assert_all(comm, True)
+    comm.Free()
+
+
+def reference_counts(p: int, n: int) -> list:
+    return [n // p + (r < n % p) for r in range(p)]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("elements", [3, waiting.SMALL_BYTES // 8, waiting.SMALL_BYTES // 8 + 1,
+                                      4 * waiting.SMALL_BYTES // 8])
+def test_channel_collectives_match_their_definition(mode, elements):
+    """float64 blocks at, just past and far past the limit of a nonblocking call."""
+    p, r = COMM.size, COMM.rank
+    channel = Channel(COMM, "intra", {"t_intra": 0.0, "bytes_intra": 0})
+    everyone = [np.arange(elements, dtype=np.float64) * (q + 1) + q for q in range(p)]
+    mine = everyone[r]
+
+    total = mine.copy()
+    channel.allreduce(total)
+    assert_all(COMM, np.array_equal(total, sum(everyone)), "allreduce")
+
+    gathered = np.empty(p * elements)
+    channel.allgather(mine, gathered)
+    assert_all(COMM, np.array_equal(gathered, np.concatenate(everyone)), "allgather")
+
+    counts = reference_counts(p, elements)
+    shard = np.empty(counts[r])
+    channel.reduce_scatter(mine, shard, counts)
+    first = displacements(counts)[r]
+    assert_all(COMM, np.array_equal(shard, sum(everyone)[first : first + counts[r]]), "reduce_scatter")
+
+    sizes = [max(1, elements // (q + 1)) for q in range(p)]  # unequal blocks
+    varied = np.empty(sum(sizes))
+    channel.allgatherv(everyone[r][: sizes[r]], varied, sizes)
+    assert_all(COMM, np.array_equal(varied, np.concatenate([e[:s] for e, s in zip(everyone, sizes)])), "allgatherv")
+
+    root = p - 1
+    sent = mine.copy() if r == root else np.zeros(elements)
+    channel.bcast(sent, root=root)
+    assert_all(COMM, np.array_equal(sent, everyone[root]), "bcast")
+
+    summed = np.zeros(elements) if r == root else None
+    channel.reduce(mine, summed, root=root)
+    assert_all(COMM, r != root or np.array_equal(summed, sum(everyone)), "reduce")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_differ_in_how_they_wait_still_meet(monkeypatch):
+    monkeypatch.setattr(waiting, "SLEEP", COMM.rank % 2 == 0)
+    channel = Channel(COMM, "intra", {"t_intra": 0.0, "bytes_intra": 0})
+    for elements in (1, waiting.SMALL_BYTES // 4 + 1):  # float32: a nonblocking call, then a blocking one
+        buf = np.full(elements, COMM.rank + 1, dtype=np.float32)
+        channel.allreduce(buf)
+        assert_all(COMM, (buf == COMM.size * (COMM.size + 1) // 2).all(), f"allreduce of {elements}")
+        waiting.collective(COMM, "Barrier")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_bad_setting_is_refused_on_every_rank(monkeypatch):
+    monkeypatch.setenv(waiting.ENV_WAIT, "spinning" if COMM.rank == COMM.size - 1 else "spin")
+    monkeypatch.setattr(waiting, "SLEEP", True)
+    with pytest.raises(ConfigError, match="SPAR_COMM_WAIT='spinning': expected 'sleep' or 'spin'"):
+        Topology()
+    monkeypatch.setenv(waiting.ENV_WAIT, "spin")
+    topology = Topology()
+    assert_all(COMM, waiting.SLEEP is False, "spin was not taken")
+    topology.free()
