@@ -17,6 +17,7 @@ warm-up.
   spar_dense_float16 spar_comm's dense sum in float16 (against ddp_fp16), with error feedback
   spar_dense_int8    ... in int8 blocks (ZeRO++'s qgZ)
   spar_hitopk_int8   hitopk with int8 values and automatic indices
+  spar_hitopk_spin   hitopk waiting in MPI_Wait (SPAR_COMM_WAIT=spin) rather than asleep
   spar_hook          DDP + spar_comm.torch.comm_hook (hitopk)
   no_comm            the same step with no communication: the floor
 
@@ -85,7 +86,7 @@ import spar_comm  # noqa: E402
 import spar_comm.torch as sct  # noqa: E402
 import train_cnn  # noqa: E402
 import train_gpt  # noqa: E402
-from spar_comm import ALGORITHMS, Topology  # noqa: E402
+from spar_comm import ALGORITHMS, Topology, waiting  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
@@ -101,7 +102,9 @@ PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
 #: spar_comm's modes through DistributedOptimizer: (algorithm, values, indices).
 SPAR = {**{f"spar_{a}": (a, None, None) for a in (*ALGORITHMS, "auto")},
         "spar_dense_float16": ("dense", "float16", None), "spar_dense_int8": ("dense", "int8", None),
-        "spar_hitopk_int8": ("hitopk", "int8", "auto")}
+        "spar_hitopk_int8": ("hitopk", "int8", "auto"), "spar_hitopk_spin": ("hitopk", None, None)}
+#: spar_comm's modes whose waits spin in MPI (see ``spar_comm/waiting.py``).
+SPINNING = ("spar_hitopk_spin",)
 MODES = (*PEERS, *SPAR, "spar_hook", "no_comm")
 #: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
 STARTUP_SECONDS = 120
@@ -278,16 +281,22 @@ class Runner:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  sent: Callable[[], Optional[float]], note: str = "",
-                 phases: Optional[Callable[[], Dict[str, float]]] = None):
+                 phases: Optional[Callable[[], Dict[str, float]]] = None, spin: bool = False):
         self.model, self.optimizer, self.sent, self.note, self.phases = model, optimizer, sent, note, phases
+        self.spin = spin
 
     def step(self, batch, loss: Callable) -> float:
         """One training step; its seconds."""
-        start = time.perf_counter()
-        self.optimizer.zero_grad()
-        loss(self.model, batch).backward()
-        self.optimizer.step()
-        return time.perf_counter() - start
+        sleeping = waiting.SLEEP
+        waiting.SLEEP = sleeping and not self.spin  # the communication thread works only inside a step
+        try:
+            start = time.perf_counter()
+            self.optimizer.zero_grad()
+            loss(self.model, batch).backward()
+            self.optimizer.step()
+            return time.perf_counter() - start
+        finally:
+            waiting.SLEEP = sleeping
 
     def evaluate(self, metric: Callable[[torch.nn.Module], float]) -> float:
         return metric(self.model)
@@ -351,7 +360,7 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Na
                                    bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices, dense=small)
     chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
-                  f"chose {chosen}" if mode == "spar_auto" else "", lambda: phases_of(opt))
+                  f"chose {chosen}" if mode == "spar_auto" else "", lambda: phases_of(opt), mode in SPINNING)
 
 
 def describe(error: BaseException) -> str:
