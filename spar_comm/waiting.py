@@ -12,7 +12,7 @@ tests, the pause doubling from ``FIRST_PAUSE`` to ``MAX_PAUSE``: the rank
 that arrives last finds the others asleep and wakes them at most
 ``MAX_PAUSE`` late. Large messages keep the blocking call, since MPI moves
 their bytes only while it is polled. On 4 ranks over 2 cores this takes a
-tenth off a 17M-parameter MLP's ``hitopk`` step (docs/results/peers.md).
+tenth or more off a 17M-parameter MLP's ``hitopk`` step (docs/results/peers.md).
 
 ``SPAR_COMM_WAIT=spin`` waits in MPI instead (``MPI_Wait``), for dedicated
 cores where the wake-up latency is what counts. Either way the MPI calls are
