@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives import make_allreducer
 from .. import waiting
+from ..collectives import make_allreducer
 from ..consensus import raise_if_any
 from ..device import device_index
 from ..errors import ConfigError, SparCommError
