@@ -146,3 +146,26 @@ def test_bench_peers_times_every_mode_to_its_targets(run_driver, tmp_path):
     # How a rank waits changes no bit: the same accuracy at every evaluation.
     assert [p[2] for p in results["spar_hitopk_spin"]["curve"]] == [p[2] for p in results["spar_hitopk"]["curve"]]
     assert "time to target" in run.stdout and "to 0.15" in run.stdout and png.stat().st_size > 0
+
+
+def test_a_spinning_mode_spins_for_its_own_steps_only(monkeypatch):
+    monkeypatch.setattr(bench_peers.waiting, "SLEEP", True)
+    seen = []
+
+    class Optimizer:
+        def zero_grad(self):
+            pass
+
+        def step(self):
+            seen.append(bench_peers.waiting.SLEEP)
+
+    class Loss:
+        def backward(self):
+            pass
+
+    for spin in (True, False):
+        bench_peers.Runner(None, Optimizer(), lambda: 0.0, spin=spin).step(None, lambda model, batch: Loss())
+        assert bench_peers.waiting.SLEEP is True
+    assert seen == [False, True]
+    assert "spar_hitopk_spin" in bench_peers.SPINNING  # hitopk in all else
+    assert bench_peers.SPAR["spar_hitopk_spin"] == bench_peers.SPAR["spar_hitopk"]

@@ -1,0 +1,82 @@
+"""Which form of a collective a rank calls: nonblocking up to the size limit,
+blocking past it, and the same on every rank whatever its own share."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spar_comm import waiting
+from spar_comm.collectives.channel import Channel
+
+
+class Done:
+    """A request that is complete."""
+
+    def Test(self) -> bool:
+        return True
+
+    def Wait(self) -> None:
+        pass
+
+
+class Recorder:
+    """A communicator of ``size`` ranks seen from ``rank`` that records which MPI calls are made."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size, self.calls = rank, size, []
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return Done() if name.startswith("I") else None
+        return call
+
+
+@pytest.mark.parametrize("name", ["Barrier", "Allgather", "Allgatherv", "Allreduce", "Reduce_scatter", "Bcast"])
+def test_small_goes_nonblocking_and_large_blocking(name):
+    comm = Recorder(0, 2)
+    waiting.collective(comm, name, nbytes=waiting.SMALL_BYTES)
+    waiting.collective(comm, name, nbytes=waiting.SMALL_BYTES + 1)
+    assert comm.calls == ["I" + name.lower(), name]
+
+
+def channel_calls(rank: int, size: int, elements: int) -> list:
+    """The MPI calls rank ``rank`` of ``size`` makes for one of each collective,
+    its own share of the unequal ones depending on its rank."""
+    comm = Recorder(rank, size)
+    channel = Channel(comm, "intra", {"t_intra": 0.0, "bytes_intra": 0})
+    counts = [elements * (r + 1) for r in range(size)]  # unequal blocks
+    channel.allreduce(np.zeros(elements, np.float32))
+    channel.allgather(np.zeros(elements, np.float32), np.zeros(size * elements, np.float32))
+    channel.reduce_scatter(np.zeros(sum(counts), np.float32), np.zeros(counts[rank], np.float32), counts)
+    channel.allgatherv(np.zeros(counts[rank], np.float32), np.zeros(sum(counts), np.float32), counts)
+    channel.alltoall(np.zeros(size * elements, np.float32), np.zeros(size * elements, np.float32))
+    channel.bcast(np.zeros(elements, np.float32), root=size - 1)
+    channel.reduce(np.zeros(elements, np.float32), np.zeros(elements, np.float32) if rank == 0 else None)
+    return comm.calls
+
+
+@pytest.mark.parametrize("elements", [1, 1000, waiting.SMALL_BYTES // 16, waiting.SMALL_BYTES // 4])
+def test_every_rank_of_a_channel_chooses_alike(elements):
+    """MPI never matches a blocking collective with a nonblocking one."""
+    size = 5
+    calls = [channel_calls(rank, size, elements) for rank in range(size)]
+    assert all(c == calls[0] for c in calls), calls
+    assert len(calls[0]) == 7
+
+
+def test_the_limit_is_where_the_docstring_says():
+    small = channel_calls(0, 2, waiting.SMALL_BYTES // 4)  # float32: exactly the limit a rank
+    large = channel_calls(0, 2, waiting.SMALL_BYTES // 4 + 1)
+    assert small[:2] == ["Iallreduce", "Iallgather"] and large[:2] == ["Allreduce", "Allgather"]
+
+
+def test_read_environment(monkeypatch):
+    monkeypatch.setattr(waiting, "SLEEP", True)
+    monkeypatch.setenv(waiting.ENV_WAIT, "spin")
+    assert waiting.read_environment() is None and waiting.SLEEP is False
+    monkeypatch.setenv(waiting.ENV_WAIT, " sleep ")
+    assert waiting.read_environment() is None and waiting.SLEEP is True
+    monkeypatch.setenv(waiting.ENV_WAIT, "yield")
+    assert waiting.read_environment() == "SPAR_COMM_WAIT='yield': expected 'sleep' or 'spin'"
+    assert waiting.SLEEP is True  # unchanged by a bad value
