@@ -6,7 +6,9 @@ figure reported is the median over --repeat calls after --warmup calls. The
 calls go round-robin over the algorithms (one call of each, then the next
 round), so a slow spell of a shared machine hits every algorithm alike. Each
 call reduces into one output buffer kept from call to call, as a training
-loop does (``allreduce(grad, out=buffer)``). The gradient is assembled in
+loop does (``allreduce(grad, out=buffer)``). Beside the time, each call's
+CPU time (the process's, on the rank that used most) is reported: where ranks
+share cores, a call's CPU is taken from training, however well it overlaps. The gradient is assembled in
 each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``,
 ``hitopk`` and ``adasum`` keep in the node's shared memory (no copy in;
 ``--no-shared-buffer`` passes a private array instead). The table shows time, selection
@@ -30,6 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank (power
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -111,8 +114,8 @@ def options_of(algorithm: str, args: argparse.Namespace) -> dict:
 
 
 def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> list:
-    """For each reducer: the median of the slowest rank's time per call, and of
-    the call's figures. Calls go round-robin over the reducers. ``grad`` is an
+    """For each reducer: the median of the slowest rank's time per call, of the
+    most CPU time a rank used in it, and of the call's figures. Calls go round-robin over the reducers. ``grad`` is an
     array of the topology's memory (NumPy, or CuPy on a GPU); a call returns
     once its result is written, the device's stream included."""
     world = reducers[0].topology.world
@@ -123,14 +126,14 @@ def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool)
     for _ in range(warmup):
         for reducer, send in zip(reducers, sends):
             reducer.allreduce(send, out=out)
-    rows = np.zeros((len(reducers), repeat, 1 + len(FIGURES)))
+    rows = np.zeros((len(reducers), repeat, 2 + len(FIGURES)))
     for i in range(repeat):
         for j, (reducer, send) in enumerate(zip(reducers, sends)):
             world.Barrier()
-            start = MPI.Wtime()
+            start, cpu = MPI.Wtime(), time.process_time()
             reducer.allreduce(send, out=out)
-            rows[j, i, 0] = MPI.Wtime() - start
-            rows[j, i, 1:] = [reducer.last[name] for name in FIGURES]
+            rows[j, i, :2] = MPI.Wtime() - start, time.process_time() - cpu
+            rows[j, i, 2:] = [reducer.last[name] for name in FIGURES]
     slowest = np.empty_like(rows)
     world.Allreduce(rows, slowest, op=MPI.MAX)
     sent = np.array([[r.last[name] for name in COUNTS] for r in reducers], np.int64)
@@ -177,14 +180,15 @@ def link_bytes(reducers: list, sends: list, out, counter: str | None) -> list:
 
 
 def summary(slowest: np.ndarray, most: np.ndarray) -> dict:
-    """One reducer's row: ``slowest`` is (repeat, time + FIGURES), ``most`` its COUNTS."""
+    """One reducer's row: ``slowest`` is (repeat, time + CPU time + FIGURES), ``most`` its COUNTS."""
     medians = np.median(slowest, axis=0)
     return {
         "time_median": float(medians[0]),
         "time_p10": float(np.percentile(slowest[:, 0], 10)),
         "time_p90": float(np.percentile(slowest[:, 0], 90)),
         "times": slowest[:, 0].tolist(),
-        **{name: float(value) for name, value in zip(FIGURES, medians[1:])},
+        "cpu_median": float(medians[1]),
+        **{name: float(value) for name, value in zip(FIGURES, medians[2:])},
         **{name: int(value) for name, value in zip(COUNTS, most)},
     }
 
@@ -225,8 +229,8 @@ def main() -> int:
                         for kind, name in (("values", args.values), ("indices", args.indices)) if name)
         print(f"# {topology.describe()}; {args.dtype}, density {args.density}, selector {args.selector}{codec}")
         print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
-        header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'select':>8} {'intra':>8} " \
-                 f"{'inter':>8} {'intra B':>12} {'inter B':>12}"
+        header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'cpu ms':>8} {'select':>8} " \
+                 f"{'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}"
         print(header, flush=True)
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
@@ -249,8 +253,8 @@ def main() -> int:
             if lead:
                 ratio = f"{dense_time / row['time_median']:7.1f}x" if dense_time else f"{'':>8}"
                 print(f"{size:>10} {algorithm:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
-                      f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} {row['t_inter'] * 1e3:8.3f} "
-                      f"{row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)
+                      f"{row['cpu_median'] * 1e3:8.3f} {row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
+                      f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)
         if lead and args.out:
             write_json(args.out, {"meta": meta, "results": results})
     return 0

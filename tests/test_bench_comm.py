@@ -22,7 +22,7 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
     assert rows["dense", 4099]["bytes_inter"] == 4099 * 4 and rows["dense", 4099]["bytes_intra"] == 0
     # 41 pairs: 164 bytes of values padded to 168, then 164 bytes of indices, padded to 336
     assert rows["topka", 4099]["bytes_inter"] == 336
-    assert all(row["time_median"] > 0 for row in rows.values())
+    assert all(row["time_median"] > 0 and row["cpu_median"] > 0 for row in rows.values())
     for algorithm in ALGORITHMS:  # one table line per algorithm and size
         assert len(re.findall(rf"^\s*\d+ {algorithm} ", result.stdout, re.M)) == 2, result.stdout
 
