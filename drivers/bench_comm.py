@@ -6,14 +6,14 @@ figure reported is the median over --repeat calls after --warmup calls. The
 calls go round-robin over the algorithms (one call of each, then the next
 round), so a slow spell of a shared machine hits every algorithm alike. Each
 call reduces into one output buffer kept from call to call, as a training
-loop does (``allreduce(grad, out=buffer)``). Beside the time, each call's
-CPU time (the process's, on the rank that used most) is reported: where ranks
-share cores, a call's CPU is taken from training, however well it overlaps. The gradient is assembled in
+loop does (``allreduce(grad, out=buffer)``). The gradient is assembled in
 each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``,
 ``hitopk`` and ``adasum`` keep in the node's shared memory (no copy in;
-``--no-shared-buffer`` passes a private array instead). The table shows time, selection
-and communication time, and the bytes each rank sends inside and between
-nodes (ring model, see spar_comm.collectives.channel).
+``--no-shared-buffer`` passes a private array instead). The table shows
+time, CPU time (the process's, on the rank that used most: where ranks
+share cores, what a call costs training however well it overlaps),
+selection and communication time, and the bytes each rank sends inside and
+between nodes (ring model, see spar_comm.collectives.channel).
 ``--device gpu`` puts each rank's gradient on its GPU as a CuPy array (the
 bytes copied through host buffers, when MPI is not CUDA-aware, are in the
 JSON as ``bytes_staged``); ``--device gpu-simulator`` runs that path on the
@@ -115,9 +115,10 @@ def options_of(algorithm: str, args: argparse.Namespace) -> dict:
 
 def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> list:
     """For each reducer: the median of the slowest rank's time per call, of the
-    most CPU time a rank used in it, and of the call's figures. Calls go round-robin over the reducers. ``grad`` is an
-    array of the topology's memory (NumPy, or CuPy on a GPU); a call returns
-    once its result is written, the device's stream included."""
+    most CPU time a rank used in it, and of the call's figures. Calls go
+    round-robin over the reducers. ``grad`` is an array of the topology's
+    memory (NumPy, or CuPy on a GPU); a call returns once its result is
+    written, the device's stream included."""
     world = reducers[0].topology.world
     out = reducers[0].xp.empty_like(grad)  # a training loop reduces into a buffer it keeps
     sends = [reducer.buffer if shared_buffer else grad for reducer in reducers]
