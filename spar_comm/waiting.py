@@ -8,11 +8,15 @@ beside backward) the spinning rank takes CPU from the ranks it waits for.
 So the calls that mostly wait (the check at the start of every allreduce,
 the node's fences, and small messages, which MPI moves in a few steps)
 start the nonblocking form of the collective and test it, sleeping between
-tests, the pause doubling from ``FIRST_PAUSE`` to ``MAX_PAUSE``: the rank
-that arrives last finds the others asleep and wakes them at most
-``MAX_PAUSE`` late. Large messages keep the blocking call, since MPI moves
-their bytes only while it is polled. On 4 ranks over 2 cores this takes a
-tenth or more off a 17M-parameter MLP's ``hitopk`` step (docs/results/peers.md).
+tests, the pause doubling from ``FIRST_PAUSE``. MPI advances a collective's
+schedule only inside a rank's MPI calls, and these small collectives take
+about log2(p) rounds over p ranks: the rank that arrives last finds the
+others asleep, and each round may wait for a sleeper's pause. So a pause
+is at most ``MAX_PAUSE`` divided by the rounds, and together they add at
+most about ``MAX_PAUSE``. Large messages keep the blocking call, since MPI
+moves their bytes only while it is polled. On 4 ranks over 2 cores this
+takes a tenth or more off a 17M-parameter MLP's ``hitopk`` step
+(docs/results/peers.md).
 
 ``SPAR_COMM_WAIT=spin`` waits in MPI instead (``MPI_Wait``), for dedicated
 cores where the wake-up latency is what counts. Either way the MPI calls are
@@ -30,7 +34,7 @@ from mpi4py import MPI
 
 #: ``sleep`` (the default) or ``spin``; read when a ``Topology`` is made.
 ENV_WAIT = "SPAR_COMM_WAIT"
-#: Seconds of the first pause and of the longest.
+#: Seconds of the first pause, and of the longest over all rounds of a collective.
 FIRST_PAUSE = 1e-5
 MAX_PAUSE = 2e-4
 #: Collectives of at most this many bytes a rank go nonblocking (a rail's
@@ -50,15 +54,23 @@ def read_environment() -> Optional[str]:
     return None
 
 
-def wait(request: MPI.Request) -> None:
-    """Complete ``request``: sleeping between tests, or in ``MPI_Wait``."""
+def longest_pause(ranks: int) -> float:
+    """The cap on one pause in a collective over ``ranks``: ``MAX_PAUSE``
+    shared by its ceil(log2(ranks)) rounds, and never below ``FIRST_PAUSE``."""
+    rounds = max(1, (ranks - 1).bit_length())
+    return max(FIRST_PAUSE, MAX_PAUSE / rounds)
+
+
+def wait(request: MPI.Request, ranks: int) -> None:
+    """Complete ``request`` of a collective over ``ranks``: sleeping between
+    tests, or in ``MPI_Wait``."""
     if not SLEEP:
         request.Wait()
         return
-    pause = FIRST_PAUSE
+    pause, longest = FIRST_PAUSE, longest_pause(ranks)
     while not request.Test():
         time.sleep(pause)
-        pause = min(2 * pause, MAX_PAUSE)
+        pause = min(2 * pause, longest)
 
 
 def collective(comm: MPI.Comm, name: str, *args: Any, nbytes: int = 0, **kwargs: Any) -> None:
@@ -66,6 +78,6 @@ def collective(comm: MPI.Comm, name: str, *args: Any, nbytes: int = 0, **kwargs:
     nonblocking form and ``wait`` when ``nbytes`` (this call's bytes a rank,
     equal on every rank) is at most ``SMALL_BYTES``, else the blocking call."""
     if nbytes <= SMALL_BYTES:
-        wait(getattr(comm, "I" + name.lower())(*args, **kwargs))
+        wait(getattr(comm, "I" + name.lower())(*args, **kwargs), comm.size)
     else:
         getattr(comm, name)(*args, **kwargs)

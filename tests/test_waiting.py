@@ -80,3 +80,30 @@ def test_read_environment(monkeypatch):
     monkeypatch.setenv(waiting.ENV_WAIT, "yield")
     assert waiting.read_environment() == "SPAR_COMM_WAIT='yield': expected 'sleep' or 'spin'"
     assert waiting.SLEEP is True  # unchanged by a bad value
+
+
+class Pending:
+    """A request that completes at its ``tests``-th test."""
+
+    def __init__(self, tests: int):
+        self.left = tests
+
+    def Test(self) -> bool:
+        self.left -= 1
+        return self.left == 0
+
+
+@pytest.mark.parametrize("size, longest", [(1, 2e-4), (2, 2e-4), (3, 1e-4), (4, 1e-4), (5, 2e-4 / 3),
+                                           (128, 2e-4 / 7), (129, 2e-4 / 8), (1 << 30, 1e-5)])
+def test_the_pauses_double_up_to_the_maximum_shared_by_the_rounds(monkeypatch, size, longest):
+    """MPI moves a small collective on in about log2(size) rounds, each in a
+    rank's own MPI call: a wait sleeps at most MAX_PAUSE over all of them."""
+    assert waiting.longest_pause(size) == pytest.approx(longest)
+    pauses = []
+    monkeypatch.setattr(waiting.time, "sleep", pauses.append)
+    monkeypatch.setattr(waiting, "SLEEP", True)
+    comm = Recorder(0, size)
+    comm.Ibarrier = lambda: Pending(16)
+    waiting.collective(comm, "Barrier")
+    assert len(pauses) == 15
+    assert pauses == pytest.approx([min(waiting.FIRST_PAUSE * 2 ** i, longest) for i in range(15)])
