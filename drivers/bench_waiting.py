@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""What waiting for a late rank costs: CPU while waiting, and latency after.
+
+spar_comm's small collectives wait by sleeping between tests of MPI's
+nonblocking form (``SPAR_COMM_WAIT=sleep``, the default) or in ``MPI_Wait``
+(``spin``). This measures both on your machine, so that you can choose: in
+every round, rank 0 arrives ``--late-ms`` after the others at one small
+collective, once waiting each way, the order alternating from round to round.
+For each way it reports, as medians over the rounds:
+
+* ``cpu``: the CPU time (``time.process_time``) a rank that waited used in the
+  call, the most over the ranks that were on time;
+* ``after``: how long after rank 0 arrived the last rank left the call (the
+  cost of being woken rather than spinning; the clocks of one host agree).
+
+Sleeping should cost a small part of the wait in CPU, and spinning all of it;
+``after`` is the price sleeping pays. JSON out.
+
+    mpiexec -n 4 python drivers/bench_waiting.py --out waiting.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import spar_comm  # noqa: E402
+from bench_comm import unwritable  # noqa: E402
+from spar_comm import waiting  # noqa: E402
+from spar_comm.cli import positive_float, positive_int  # noqa: E402
+from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
+from spar_comm.launch import run_main  # noqa: E402
+from spar_comm.mpi_strings import library_name  # noqa: E402
+
+WAYS = ("sleep", "spin")
+COLLECTIVES = ("Barrier", "Allgather", "Allreduce")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_waiting.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--collective", choices=COLLECTIVES, default="Allgather",
+                        help="the call waited in, with one int32 a rank (default: %(default)s, as the check that "
+                             "starts every allreduce)")
+    parser.add_argument("--late-ms", type=positive_float, default=5.0,
+                        help="how late rank 0 arrives (default: %(default)s)")
+    parser.add_argument("--warmup", type=positive_int, default=5, help="untimed rounds (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int, default=50, help="timed rounds (default: %(default)s)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def call(comm: MPI.Comm, name: str, send: np.ndarray, recv: np.ndarray) -> None:
+    """One ``name`` collective of ``send`` (one element), the way ``waiting`` waits."""
+    if name == "Barrier":
+        waiting.collective(comm, name)
+    elif name == "Allgather":
+        waiting.collective(comm, name, send, recv, nbytes=send.nbytes)
+    else:
+        waiting.collective(comm, name, send, recv[:1], nbytes=send.nbytes)
+
+
+def one_round(comm: MPI.Comm, name: str, late: float, sleep: bool) -> tuple:
+    """Seconds of CPU this rank used in the call, and how long after rank 0
+    arrived the last rank left it."""
+    send, recv = np.full(1, comm.rank, np.int32), np.zeros(comm.size, np.int32)
+    held = waiting.SLEEP
+    waiting.SLEEP = sleep
+    try:
+        comm.Barrier()
+        if comm.rank == 0:
+            time.sleep(late)
+        arrived, cpu = MPI.Wtime(), time.process_time()
+        call(comm, name, send, recv)
+        cpu, left = time.process_time() - cpu, MPI.Wtime()
+    finally:
+        waiting.SLEEP = held
+    last_arrival = comm.allreduce(arrived if comm.rank == 0 else -np.inf, op=MPI.MAX)
+    return cpu, comm.allreduce(left, op=MPI.MAX) - last_arrival
+
+
+def main() -> int:
+    args = parse_args()
+    comm = MPI.COMM_WORLD
+    lead = comm.rank == 0
+    raise_if_any(comm, unwritable(args.out) if lead and args.out else None)
+    raise_if_any(comm, None if comm.size > 1 else "bench_waiting.py needs at least 2 ranks: one late, one waiting")
+    rounds = args.warmup + args.repeat
+    cpu, after = np.zeros((len(WAYS), rounds)), np.zeros((len(WAYS), rounds))
+    for i in range(rounds):
+        order = range(len(WAYS)) if i % 2 == 0 else reversed(range(len(WAYS)))
+        for w in order:
+            cpu[w, i], after[w, i] = one_round(comm, args.collective, args.late_ms / 1e3, WAYS[w] == "sleep")
+        if lead and (i + 1) % max(1, rounds // 5) == 0:
+            print(f"round {i + 1}/{rounds}", file=sys.stderr, flush=True)
+    waited = np.where(comm.rank == 0, 0.0, cpu)  # the late rank did not wait
+    most = np.empty_like(waited)
+    comm.Allreduce(waited, most, op=MPI.MAX)
+    results = [dict(way=way, cpu_median=float(np.median(most[w, args.warmup:])),
+                    after_median=float(np.median(after[w, args.warmup:])),
+                    after_p90=float(np.percentile(after[w, args.warmup:], 90)))
+               for w, way in enumerate(WAYS)]
+    if lead:
+        print(f"# {comm.size} ranks, {library_name()}; rank 0 {args.late_ms:g} ms late at {args.collective}; "
+              f"medians of {args.repeat} rounds; longest pause {waiting.longest_pause(comm.size) * 1e6:.0f} us")
+        print(f"{'way':<6} {'cpu ms':>8} {'of wait':>8} {'after us':>9} {'p90 us':>8}")
+        for r in results:
+            print(f"{r['way']:<6} {r['cpu_median'] * 1e3:8.3f} {r['cpu_median'] / (args.late_ms / 1e3):8.0%} "
+                  f"{r['after_median'] * 1e6:9.0f} {r['after_p90'] * 1e6:8.0f}")
+        if args.out:
+            meta = dict(tool="bench_waiting", spar_comm_version=spar_comm.__version__, mpi_library=library_name(),
+                        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        world_size=comm.size, collective=args.collective, late_ms=args.late_ms,
+                        warmup=args.warmup, repeat=args.repeat, longest_pause=waiting.longest_pause(comm.size))
+            write_json(args.out, {"meta": meta, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, "bench_waiting.py")
