@@ -10,8 +10,9 @@ For each way it reports, as medians over the rounds:
 
 * ``cpu``: the CPU time (``time.process_time``) a rank that waited used in the
   call, the most over the ranks that were on time;
-* ``after``: how long after rank 0 arrived the last rank left the call (the
-  cost of being woken rather than spinning; the clocks of one host agree).
+* ``after``: how long rank 0, arriving last, spent in the call: the rounds
+  of the collective, each waiting for the other ranks to wake (one clock, so
+  it holds across hosts too).
 
 Sleeping should cost a small part of the wait in CPU, and spinning all of it;
 ``after`` is the price sleeping pays. JSON out.
@@ -25,6 +26,7 @@ import datetime
 import sys
 import time
 from pathlib import Path
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -41,16 +43,26 @@ from spar_comm.mpi_strings import library_name  # noqa: E402
 
 WAYS = ("sleep", "spin")
 COLLECTIVES = ("Barrier", "Allgather", "Allreduce")
+#: The latest rank 0 may arrive, in ms.
+LATEST_MS = 60_000.0
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def late_ms(text: str) -> float:
+    """A delay in ms, above 0 and at most ``LATEST_MS``."""
+    value = positive_float(text)
+    if value > LATEST_MS:
+        raise argparse.ArgumentTypeError(f"at most {LATEST_MS:g} ms, got {text!r}")
+    return value
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_waiting.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--collective", choices=COLLECTIVES, default="Allgather",
                         help="the call waited in, with one int32 a rank (default: %(default)s, as the check that "
                              "starts every allreduce)")
-    parser.add_argument("--late-ms", type=positive_float, default=5.0,
-                        help="how late rank 0 arrives (default: %(default)s)")
+    parser.add_argument("--late-ms", type=late_ms, default=5.0,
+                        help=f"how late rank 0 arrives, in ms, at most {LATEST_MS:g} (default: %(default)s)")
     parser.add_argument("--warmup", type=positive_int, default=5, help="untimed rounds (default: %(default)s)")
     parser.add_argument("--repeat", type=positive_int, default=50, help="timed rounds (default: %(default)s)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -67,9 +79,8 @@ def call(comm: MPI.Comm, name: str, send: np.ndarray, recv: np.ndarray) -> None:
         waiting.collective(comm, name, send, recv[:1], nbytes=send.nbytes)
 
 
-def one_round(comm: MPI.Comm, name: str, late: float, sleep: bool) -> tuple:
-    """Seconds of CPU this rank used in the call, and how long after rank 0
-    arrived the last rank left it."""
+def one_round(comm: MPI.Comm, name: str, late: float, sleep: bool) -> Tuple[float, float]:
+    """Seconds of CPU this rank used in the call, and of wall time in it."""
     send, recv = np.full(1, comm.rank, np.int32), np.zeros(comm.size, np.int32)
     held = waiting.SLEEP
     waiting.SLEEP = sleep
@@ -77,21 +88,20 @@ def one_round(comm: MPI.Comm, name: str, late: float, sleep: bool) -> tuple:
         comm.Barrier()
         if comm.rank == 0:
             time.sleep(late)
-        arrived, cpu = MPI.Wtime(), time.process_time()
+        start, cpu = time.perf_counter(), time.process_time()
         call(comm, name, send, recv)
-        cpu, left = time.process_time() - cpu, MPI.Wtime()
+        return time.process_time() - cpu, time.perf_counter() - start
     finally:
         waiting.SLEEP = held
-    last_arrival = comm.allreduce(arrived if comm.rank == 0 else -np.inf, op=MPI.MAX)
-    return cpu, comm.allreduce(left, op=MPI.MAX) - last_arrival
 
 
 def main() -> int:
+    """Measure both ways round by round; rank 0 prints and writes the medians."""
     args = parse_args()
     comm = MPI.COMM_WORLD
     lead = comm.rank == 0
     raise_if_any(comm, unwritable(args.out) if lead and args.out else None)
-    raise_if_any(comm, None if comm.size > 1 else "bench_waiting.py needs at least 2 ranks: one late, one waiting")
+    raise_if_any(comm, None if comm.size > 1 else "needs at least 2 ranks: one late, one waiting")
     rounds = args.warmup + args.repeat
     cpu, after = np.zeros((len(WAYS), rounds)), np.zeros((len(WAYS), rounds))
     for i in range(rounds):
@@ -100,9 +110,9 @@ def main() -> int:
             cpu[w, i], after[w, i] = one_round(comm, args.collective, args.late_ms / 1e3, WAYS[w] == "sleep")
         if lead and (i + 1) % max(1, rounds // 5) == 0:
             print(f"round {i + 1}/{rounds}", file=sys.stderr, flush=True)
-    waited = np.where(comm.rank == 0, 0.0, cpu)  # the late rank did not wait
+    waited = cpu * (comm.rank != 0)  # the late rank did not wait
     most = np.empty_like(waited)
-    comm.Allreduce(waited, most, op=MPI.MAX)
+    comm.Allreduce(waited, most, op=MPI.MAX)  # ``after`` is rank 0's own
     results = [dict(way=way, cpu_median=float(np.median(most[w, args.warmup:])),
                     after_median=float(np.median(after[w, args.warmup:])),
                     after_p90=float(np.percentile(after[w, args.warmup:], 90)))

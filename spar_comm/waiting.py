@@ -9,12 +9,14 @@ So the calls that mostly wait (the check at the start of every allreduce,
 the node's fences, and small messages, which MPI moves in a few steps)
 start the nonblocking form of the collective and test it, sleeping between
 tests, the pause doubling from ``FIRST_PAUSE``. MPI advances a collective's
-schedule only inside a rank's MPI calls, and these small collectives take
-about log2(p) rounds over p ranks: the rank that arrives last finds the
-others asleep, and each round may wait for a sleeper's pause. So a pause
-is at most ``MAX_PAUSE`` divided by the rounds, and together they add at
-most about ``MAX_PAUSE``. Large messages keep the blocking call, since MPI
-moves their bytes only while it is polled. On 4 ranks over 2 cores this
+schedule only inside a rank's MPI calls, and the short-message algorithms
+take about log2(p) rounds over p ranks: the rank that arrives last finds
+the others asleep, and each round may wait for a sleeper's pause. So a
+pause is at most ``MAX_PAUSE`` divided by ceil(log2 p), and the pauses of
+those rounds add about ``MAX_PAUSE``, plus what the system oversleeps each
+time (collectives near ``SMALL_BYTES`` may take more rounds). Large
+messages keep the blocking call, since MPI moves their bytes only while it
+is polled. On 4 ranks over 2 cores this
 takes a tenth or more off a 17M-parameter MLP's ``hitopk`` step
 (docs/results/peers.md).
 
@@ -34,7 +36,7 @@ from mpi4py import MPI
 
 #: ``sleep`` (the default) or ``spin``; read when a ``Topology`` is made.
 ENV_WAIT = "SPAR_COMM_WAIT"
-#: Seconds of the first pause, and of the longest over all rounds of a collective.
+#: Seconds of the first pause, and of the pauses a collective's rounds share.
 FIRST_PAUSE = 1e-5
 MAX_PAUSE = 2e-4
 #: Collectives of at most this many bytes a rank go nonblocking (a rail's

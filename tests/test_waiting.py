@@ -100,7 +100,7 @@ def test_the_pauses_double_up_to_the_maximum_shared_by_the_rounds(monkeypatch, s
     rank's own MPI call: a wait sleeps at most MAX_PAUSE over all of them."""
     assert waiting.longest_pause(size) == pytest.approx(longest)
     pauses = []
-    monkeypatch.setattr(waiting.time, "sleep", pauses.append)
+    monkeypatch.setattr(waiting, "time", type("Clock", (), {"sleep": staticmethod(pauses.append)}))
     monkeypatch.setattr(waiting, "SLEEP", True)
     comm = Recorder(0, size)
     comm.Ibarrier = lambda: Pending(16)
