@@ -16,9 +16,8 @@ pause is at most ``MAX_PAUSE`` divided by ceil(log2 p), and the pauses of
 those rounds add about ``MAX_PAUSE``, plus what the system oversleeps each
 time (collectives near ``SMALL_BYTES`` may take more rounds). Large
 messages keep the blocking call, since MPI moves their bytes only while it
-is polled. On 4 ranks over 2 cores this
-takes a tenth or more off a 17M-parameter MLP's ``hitopk`` step
-(docs/results/peers.md).
+is polled. On 4 ranks over 2 cores this takes a tenth or more off a
+17M-parameter MLP's ``hitopk`` step (docs/results/peers.md).
 
 ``SPAR_COMM_WAIT=spin`` waits in MPI instead (``MPI_Wait``), for dedicated
 cores where the wake-up latency is what counts. Either way the MPI calls are
