@@ -287,16 +287,12 @@ class Runner:
 
     def step(self, batch, loss: Callable) -> float:
         """One training step; its seconds."""
-        sleeping = waiting.SLEEP
-        waiting.SLEEP = sleeping and not self.spin  # the communication thread works only inside a step
-        try:
+        with waiting.sleeping(waiting.SLEEP and not self.spin):  # the communication thread works only inside a step
             start = time.perf_counter()
             self.optimizer.zero_grad()
             loss(self.model, batch).backward()
             self.optimizer.step()
             return time.perf_counter() - start
-        finally:
-            waiting.SLEEP = sleeping
 
     def evaluate(self, metric: Callable[[torch.nn.Module], float]) -> float:
         return metric(self.model)

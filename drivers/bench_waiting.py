@@ -82,17 +82,13 @@ def call(comm: MPI.Comm, name: str, send: np.ndarray, recv: np.ndarray) -> None:
 def one_round(comm: MPI.Comm, name: str, late: float, sleep: bool) -> Tuple[float, float]:
     """Seconds of CPU this rank used in the call, and of wall time in it."""
     send, recv = np.full(1, comm.rank, np.int32), np.zeros(comm.size, np.int32)
-    held = waiting.SLEEP
-    waiting.SLEEP = sleep
-    try:
+    with waiting.sleeping(sleep):
         comm.Barrier()
         if comm.rank == 0:
             time.sleep(late)
         start, cpu = time.perf_counter(), time.process_time()
         call(comm, name, send, recv)
         return time.process_time() - cpu, time.perf_counter() - start
-    finally:
-        waiting.SLEEP = held
 
 
 def main() -> int:

@@ -27,9 +27,10 @@ sizes that every rank shares.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from mpi4py import MPI
 
@@ -53,6 +54,18 @@ def read_environment() -> Optional[str]:
         return f"{ENV_WAIT}={text!r}: expected 'sleep' or 'spin'"
     SLEEP = text == "sleep"
     return None
+
+
+@contextlib.contextmanager
+def sleeping(on: bool) -> Iterator[None]:
+    """Waits sleep (``on``) or spin inside the block, as before it after:
+    a benchmark's way of comparing both in one job."""
+    global SLEEP
+    held, SLEEP = SLEEP, on
+    try:
+        yield
+    finally:
+        SLEEP = held
 
 
 def longest_pause(ranks: int) -> float:

@@ -107,3 +107,14 @@ def test_the_pauses_double_up_to_the_maximum_shared_by_the_rounds(monkeypatch, s
     waiting.collective(comm, "Barrier")
     assert len(pauses) == 15
     assert pauses == pytest.approx([min(waiting.FIRST_PAUSE * 2 ** i, longest) for i in range(15)])
+
+
+def test_sleeping_sets_the_way_inside_its_block_only(monkeypatch):
+    monkeypatch.setattr(waiting, "SLEEP", True)
+    with waiting.sleeping(False):
+        assert waiting.SLEEP is False
+    assert waiting.SLEEP is True
+    with pytest.raises(RuntimeError):
+        with waiting.sleeping(False):
+            raise RuntimeError("a failing step")
+    assert waiting.SLEEP is True  # restored after an error too
