@@ -19,7 +19,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from typing import List, NoReturn, Optional  # noqa: E402
 
 from mpi4py import MPI  # noqa: E402
@@ -27,6 +26,7 @@ from mpi4py import MPI  # noqa: E402
 from spar_comm import ALGORITHMS  # noqa: E402
 from spar_comm.collectives import AUTO  # noqa: E402
 from spar_comm.errors import ConfigError, SparCommError  # noqa: E402
+from spar_comm.launch import abort_job  # noqa: E402
 from spar_comm.files import BadFileError  # noqa: E402
 from spar_comm.topology import ENV_RANKS_PER_NODE  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
@@ -172,6 +172,4 @@ if __name__ == "__main__":
         # first, so a failure that every rank hit is printed once, by rank 0.
         if RANK != 0:
             time.sleep(1.0)
-        sys.stderr.write(f"train.py: rank {RANK} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        abort_job(MPI.COMM_WORLD, "train.py")

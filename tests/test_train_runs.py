@@ -211,7 +211,7 @@ def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
     result = run_train(3, [], script=str(wrapper))
     assert result.returncode != 0
     assert result.stderr.count("RuntimeError: injected failure") == 1, result.stderr
-    assert "rank 1 failed" in result.stderr
+    assert "[rank 1] train.py failed:" in result.stderr
 
 
 def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path):
