@@ -7,6 +7,7 @@ import pytest
 
 from spar_comm import waiting
 from spar_comm.collectives.channel import Channel
+from spar_comm.memory import SimulatedGpuMemory
 
 
 class Done:
@@ -69,6 +70,17 @@ def test_the_limit_is_where_the_docstring_says():
     small = channel_calls(0, 2, waiting.SMALL_BYTES // 4)  # float32: exactly the limit a rank
     large = channel_calls(0, 2, waiting.SMALL_BYTES // 4 + 1)
     assert small[:2] == ["Iallreduce", "Iallgather"] and large[:2] == ["Allreduce", "Allgather"]
+
+
+@pytest.mark.parametrize("cuda_aware, first", [(False, "Iallreduce"), (True, "Allreduce")])
+def test_device_buffers_in_place_wait_in_mpi(cuda_aware, first):
+    """MPI reads device memory in place only where it is CUDA-aware, and then
+    moves the bytes only while it is polled: the blocking call, however small.
+    Staged through host buffers, a small collective sleeps as on the host."""
+    comm = Recorder(0, 2)
+    channel = Channel(comm, "intra", {"t_intra": 0.0, "bytes_intra": 0}, SimulatedGpuMemory(cuda_aware=cuda_aware))
+    channel.allreduce(np.zeros(4, np.float32))
+    assert comm.calls == [first]
 
 
 def test_read_environment(monkeypatch):

@@ -77,6 +77,8 @@ class Channel:
         self.size = comm.size
         self.rank = comm.rank
         self.memory = memory
+        # MPI reads host memory: the buffers' own, or staging buffers
+        self._on_host = memory.in_host_memory or not memory.cuda_aware
         self._t, self._b = "t_" + kind, "bytes_" + kind
         self._ledger = ledger
         ledger.setdefault("bytes_staged", 0)
@@ -104,8 +106,7 @@ class Channel:
         """``self.comm.<name>(*args, **kwargs)`` on buffers MPI was handed,
         ``nbytes`` a rank (equal on all): small ones on host memory wait by
         sleeping (``waiting.collective``)."""
-        host = self.memory.in_host_memory or not self.memory.cuda_aware
-        waiting.collective(self.comm, name, *args, nbytes=nbytes if host else math.inf, **kwargs)
+        waiting.collective(self.comm, name, *args, nbytes=nbytes if self._on_host else math.inf, **kwargs)
 
     def allreduce(self, buf: Any) -> None:
         """Sum ``buf`` in place over the communicator."""
