@@ -26,8 +26,8 @@ from mpi4py import MPI  # noqa: E402
 from spar_comm import ALGORITHMS  # noqa: E402
 from spar_comm.collectives import AUTO  # noqa: E402
 from spar_comm.errors import ConfigError, SparCommError  # noqa: E402
-from spar_comm.launch import abort_job  # noqa: E402
 from spar_comm.files import BadFileError  # noqa: E402
+from spar_comm.launch import abort_job  # noqa: E402
 from spar_comm.topology import ENV_RANKS_PER_NODE  # noqa: E402
 from spar_comm.training import TrainConfig, train  # noqa: E402
 from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
