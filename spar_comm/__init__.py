@@ -5,6 +5,7 @@
     ar = make_allreducer("hitopk", topo, size=n, density=0.001)
     mean_grad = ar.allreduce(flat_grad)           # identical bits on every rank
 """
+from .allocator import retain_freed_memory
 from .collectives import ALGORITHMS, Allreducer, make_allreducer, selection_size
 from .collectives.feedback import Residual
 from .errors import ConfigError, GradientError, NonFiniteGradientError, SparCommError
@@ -22,5 +23,6 @@ __all__ = [
     "SparCommError",
     "Topology",
     "make_allreducer",
+    "retain_freed_memory",
     "selection_size",
 ]
