@@ -29,7 +29,7 @@ from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
 import spar_comm.torch as sct  # noqa: E402
-from spar_comm import ALGORITHMS, Topology  # noqa: E402
+from spar_comm import ALGORITHMS, Topology, retain_freed_memory  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.files import write_json  # noqa: E402
@@ -118,6 +118,7 @@ def main() -> None:
         problem = f"cannot write --out {args.out}"
     raise_if_any(world, problem)
     torch.set_num_threads(1)
+    retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     topology = Topology(ranks_per_node=args.ranks_per_node)
     results = [measure(args, algorithm, topology) for algorithm in args.algorithms]
     if world.rank:

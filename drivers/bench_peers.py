@@ -86,7 +86,7 @@ import spar_comm  # noqa: E402
 import spar_comm.torch as sct  # noqa: E402
 import train_cnn  # noqa: E402
 import train_gpt  # noqa: E402
-from spar_comm import ALGORITHMS, Topology, waiting  # noqa: E402
+from spar_comm import ALGORITHMS, Topology, retain_freed_memory, waiting  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
@@ -132,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_argument("--warmup", type=positive_int, default=3, help="untimed rounds (default: %(default)s)")
     common.add_argument("--repeat", type=positive_int, default=10, help="timed rounds (default: %(default)s)")
     common.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    common.add_argument("--malloc", choices=["retain", "system"], default="retain",
+                        help="retain: every mode's process keeps freed memory for reuse instead of "
+                             "page-faulting it in each step (spar_comm.retain_freed_memory); system: glibc's "
+                             "own thresholds (default: %(default)s)")
     common.add_argument("--lr", type=positive_float, default=None,
                         help="learning rate (default: the workload's: SGD 1e-3 for mlp, AdamW 1e-3 for gpt, "
                              "SGD with momentum 0.05 for cnn)")
@@ -674,6 +678,8 @@ def main() -> None:
     world = MPI.COMM_WORLD
     raise_if_any(world, output_problem(args) if world.rank == 0 else None)
     torch.set_num_threads(1)
+    if args.malloc == "retain":  # before any peer is forked: they inherit it
+        retain_freed_memory()
     topology = Topology(ranks_per_node=args.ranks_per_node)
     results, parameters = measure(args, topology)
     if world.rank == 0:
@@ -685,7 +691,8 @@ def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, result
     """Rank 0: the table, and the plot and JSON where asked."""
     title = (f"{args.model}, {parameters:,} parameters; {topology.describe().split(';')[0]}; "
              f"batch {args.batch_size} per rank; median of {args.repeat}; spar_comm: {args.selector} at density "
-             f"{args.density:g}" + (f", parameters below {args.dense_below:,} dense" if args.dense_below else ""))
+             f"{args.density:g}" + (f", parameters below {args.dense_below:,} dense" if args.dense_below else "")
+             + ("; glibc's own malloc thresholds" if args.malloc == "system" else ""))
     print(title)
     print(table(results), flush=True)
     if args.plot:

@@ -18,7 +18,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import spar_comm.torch as sct                                                        # spar_comm
-from spar_comm import ALGORITHMS
+from spar_comm import ALGORITHMS, retain_freed_memory
 from spar_comm.cli import density, positive_float, positive_int
 from spar_comm.launch import run_main
 
@@ -94,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     train_x, train_y, test_x, test_y = digits_images(args.image)
     generator = torch.Generator().manual_seed(args.seed * 1000 + sct.rank())       # spar_comm
 

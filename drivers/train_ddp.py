@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import spar_comm.torch as sct                                                        # spar_comm
-from spar_comm import Topology
+from spar_comm import Topology, retain_freed_memory
 
 
 def main():
@@ -37,6 +37,7 @@ def main():
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     torch.set_num_threads(1)
+    retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     torch.manual_seed(0)
     sct.init_process_group("gloo")                                                   # spar_comm
     device = sct.local_device() if args.device == "cuda" else torch.device("cpu")    # spar_comm

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spar_comm.torch as sct                                                        # spar_comm
-from spar_comm import ALGORITHMS
+from spar_comm import ALGORITHMS, retain_freed_memory
 from spar_comm.cli import density, positive_float, positive_int
 from spar_comm.errors import ConfigError
 from spar_comm.launch import run_main
@@ -137,6 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     train, validation = stdlib_text()
     held_out = validation_batches(validation, args.eval_batches, args.batch_size, args.context)
     generator = torch.Generator().manual_seed(args.seed * 1000 + sct.rank())       # spar_comm

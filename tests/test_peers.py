@@ -47,6 +47,7 @@ def test_the_cnn_learns_the_digits_on_two_ranks(run_driver):
     ("bench_peers", ["--warmup", "2"]),  # no model named
     ("bench_peers", ["mlp", "--eval-every", "5"]),  # random data: nothing held out
     ("bench_peers", ["cnn", "--targets", "0.9"]),  # targets but no evaluations
+    ("bench_peers", ["mlp", "--malloc", "jemalloc"]),
 ])
 def test_bad_arguments_exit_2_with_a_usage_message(module, bad, capsys):
     with pytest.raises(SystemExit) as exit:
