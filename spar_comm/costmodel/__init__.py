@@ -20,9 +20,9 @@ from .calibrate import CalibrationError, Measurement, fit, load, relative_errors
 from .machine import CPU, GPU, PRESETS, Cluster, Machine, beta_to_gbps, gbps_to_beta
 
 #: The parts of a step, by the prefix of the terms they sum.
-PARTS = {"select": ("select",), "intra": ("alpha_intra", "beta_intra"),
+PARTS = {"select": ("select", "pick"), "intra": ("alpha_intra", "beta_intra"),
          "inter": ("alpha_inter", "beta_inter", "host_inter"),
-         "local": ("gamma", "overhead")}
+         "local": ("gamma", "pair", "overhead")}
 
 
 def predict(cluster: Cluster, size: int, machine: Machine, dtype: str = "float32", density: float = 0.001,

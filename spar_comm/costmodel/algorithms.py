@@ -2,8 +2,10 @@
 
 Each function mirrors its module in ``spar_comm.collectives``: the MPI calls
 it makes (costed by ``mpi.py``), the local memory passes it makes over the
-vector (``gamma`` per byte: residual add, copies, zero fills, scatter-adds,
-the final average) and the elements its selector scans. Every call also pays
+vector (``gamma`` per byte: residual add, copies, zero fills, the final
+average), the elements its selector scans and the (index, value) pairs it
+picks (``pick``), and the pairs it scatter-adds (``pair``); a pick costs
+what a pair does. Every call also pays
 the fixed ``overhead`` and the gradient check, a world Allgather of 4 bytes.
 
 Selection happens on every rank in parallel, so a step pays one rank's
@@ -54,9 +56,9 @@ class Shape:
         self.rails = Span(self.nodes, 1, concurrent=self.g)  # one rail per local rank, all at once
         self.leaders = Span(self.nodes, 1)
 
-    def select(self, elements: float) -> Terms:
-        """One selector call over ``elements``."""
-        return Terms({f"select_call:{self.selector}": 1, f"select:{self.selector}": elements})
+    def select(self, elements: float, k: int) -> Terms:
+        """One selector call over ``elements`` that picks ``k`` pairs."""
+        return Terms({f"select_call:{self.selector}": 1, f"select:{self.selector}": elements, "pick": k})
 
     def pairs(self, k: int) -> int:
         return pair_bytes(k, self.s)
@@ -96,13 +98,13 @@ def hier_dense(x: Shape) -> Terms:
 
 def topka(x: Shape) -> Terms:
     k = selection_size(x.density, x.n)
-    local = Terms(gamma=2 * x.nbytes + x.p * x.wire(k, x.n))  # residual add, zero fill, scatter-add
-    return local + x.select(x.n) + mpi.allgather(x.world, x.wire(k, x.n))
+    local = Terms(gamma=2 * x.nbytes + x.p * x.wire(k, x.n), pair=x.p * k)  # residual add, zero fill, scatter-add
+    return local + x.select(x.n, k) + mpi.allgather(x.world, x.wire(k, x.n))
 
 
 def gtopk(x: Shape) -> Terms:
     k = selection_size(x.density, x.n)
-    terms = Terms(gamma=2 * x.nbytes) + x.select(x.n)  # residual add, zero fill of the output
+    terms = Terms(gamma=2 * x.nbytes, pair=k) + x.select(x.n, k)  # residual add, zero fill, the result's pairs
     for i in range(x.world.steps):  # the root's path up the binomial tree: receive and merge
         mpi.message(terms, x.world, x.pairs(k), x.world.crosses(2**i), senders=mpi.tree_senders(x.p, i))
         terms["gamma"] += 2 * x.pairs(k)
@@ -112,18 +114,20 @@ def gtopk(x: Shape) -> Terms:
 def hitopk(x: Shape) -> Terms:
     shard = math.ceil(x.n / x.g)
     k = selection_size(x.density, shard)
-    terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + x.select(shard)
+    terms = mpi.shared_reduce_scatter(x.local, x.nbytes) + x.select(shard, k)
     if x.g == 1:  # the residual add, and the zero fill of the output (the rank is its node)
         terms["gamma"] += shard * x.s + x.nbytes
     terms["gamma"] += x.nodes * x.wire(k, shard) + x.g * x.pairs(k)  # decoding, scatter-adds
+    terms["pair"] += x.nodes * k
     terms += mpi.allgather(x.rails, x.wire(k, shard))
     return terms + mpi.shared_allgather(x.local, x.nbytes)
 
 
 def hitopk_leader(x: Shape) -> Terms:
     k = selection_size(x.density, x.n)
-    terms = mpi.reduce(x.local, x.nbytes) + x.select(x.n)
+    terms = mpi.reduce(x.local, x.nbytes) + x.select(x.n, k)
     terms["gamma"] += 2 * x.nbytes + x.nodes * x.wire(k, x.n)  # residual add, zero fill, scatter-add
+    terms["pair"] += x.nodes * k
     return terms + mpi.allgather(x.leaders, x.wire(k, x.n)) + mpi.bcast(x.local, x.nbytes)
 
 
@@ -184,7 +188,7 @@ def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float3
 
 
 #: Terms that are work of a rank's CPU (selection terms too), as opposed to a link's.
-CPU_TERMS = ("overhead", "gamma", "alpha_intra", "alpha_inter", "beta_intra")
+CPU_TERMS = ("overhead", "gamma", "pair", "pick", "alpha_intra", "alpha_inter", "beta_intra")
 
 
 def on_cores(terms: Terms, cluster: Cluster) -> Terms:

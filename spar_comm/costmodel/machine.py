@@ -2,9 +2,12 @@
 
 A ``Machine`` holds the alpha-beta-gamma figures: latency and inverse
 bandwidth inside a node and across nodes, the cost of one local memory pass
-per byte (reductions, copies, scatter-adds), the selection time of every
-top-k method (a fixed cost per call, e.g. MSTopK's ~30 kernel launches or
-NumPy calls, plus a cost per element scanned), and a fixed software overhead per allreduce call. A
+per byte (reductions, copies, zero fills), the cost of one (index, value)
+pair picked by a selector or scatter-added into a vector (``pair``: random
+accesses, which at a density of 0.1 cost a CPU more than the passes over
+the vector), the selection time of every top-k method (a fixed cost per
+call, e.g. MSTopK's ~30 kernel launches or NumPy calls, plus a cost per
+element scanned), and a fixed software overhead per allreduce call. A
 ``Cluster`` is the shape: nodes and ranks per node.
 
 ``beta_inter`` is the inverse bandwidth of a node's *network link*: flows
@@ -25,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
 #: The linear coefficients of the model, in the order of a fitted vector.
-LINK_TERMS = ("overhead", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "host_inter")
+LINK_TERMS = ("overhead", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "pair", "host_inter")
 #: Coefficients a calibration file may lack (written before they existed): 0.
-OPTIONAL_TERMS = ("host_inter",)
+OPTIONAL_TERMS = ("pair", "host_inter")
 
 
 def gbps_to_beta(gbps: float) -> float:
@@ -77,6 +80,8 @@ class Machine:
     alpha_inter: float
     beta_inter: float
     gamma: float
+    #: seconds per (index, value) pair picked by a selector or scatter-added
+    pair: float = 0.0
     #: seconds of the shared CPU per byte between nodes (emulated clusters only)
     host_inter: float = 0.0
     #: selector name -> (seconds per call, seconds per element scanned)
@@ -99,6 +104,8 @@ class Machine:
                 total += amount * self.select[term[len("select:"):]][1]
             elif term.startswith("select_call:"):
                 total += amount * self.select[term[len("select_call:"):]][0]
+            elif term == "pick":  # a pair picked by the selector
+                total += amount * self.pair
             else:
                 total += amount * getattr(self, term)
         return total
@@ -145,8 +152,11 @@ GPU = Machine(
 )
 
 #: A CPU cluster running this package's NumPy kernels: shared memory inside a
-#: node, 25 Gbit/s TCP between nodes, and host selection rates of the order
-#: bench_topk.py measures on one core.
+#: node, 25 Gbit/s TCP between nodes, host selection rates of the order
+#: bench_topk.py measures on one core, and a pair picked or scatter-added in
+#: about 15 ns (``hitopk`` on 6.5M float32 over 2 x 2 ranks, 2 ranks to a
+#: core, took 28.5 ms more at density 0.1 than at 0.001: 975,000 pairs more
+#: a rank). The GPU preset leaves ``pair`` at 0: it was not measured there.
 CPU = Machine(
     overhead=50e-6,
     alpha_intra=2e-6,
@@ -154,6 +164,7 @@ CPU = Machine(
     alpha_inter=30e-6,
     beta_inter=gbps_to_beta(25),
     gamma=2e-10,
+    pair=1.5e-8,
     select={"mstopk": (100e-6, 4e-10), "threshold": (40e-6, 1.9e-10), "threshold_warm": (40e-6, 1.7e-10),
             "exact": (50e-6, 2e-9)},
 )

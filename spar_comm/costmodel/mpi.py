@@ -78,9 +78,10 @@ def message(terms: Terms, span: Span, nbytes: float, inter: bool, flows: int = 1
         terms["alpha_inter"] += 1
         terms["beta_inter"] += flows * nbytes
         terms["host_inter"] += senders * nbytes
-    else:
+    else:  # through MPI's shared-memory buffers: copied in by the sender, out by the receiver
         terms["alpha_intra"] += 1
         terms["beta_intra"] += nbytes
+        terms["gamma"] += 2 * nbytes
 
 
 def _butterfly(terms: Terms, span: Span, sizes, distances, reduce: bool) -> None:
