@@ -173,9 +173,9 @@ def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, Tuple
 
 def in_context_rates(rows: Sequence[Measurement], pair: float) -> Dict[str, Tuple[float, float]]:
     """Selection figures from bench_comm's t_select, less the pairs picked
-    (``pair`` seconds each, priced apart by the model; at most nine tenths
-    of the time). gtopk is left out: its t_select also holds the merges up
-    the tree."""
+    (``pair`` seconds each, which the model prices apart; what is left is
+    never taken below a tenth of t_select). gtopk is left out: its t_select
+    also holds the merges up the tree."""
     samples: Dict[str, List[Tuple[float, float]]] = {}
     for row in rows:
         if row.algorithm in ("topka", "hitopk", "hitopk_leader") and row.select_seconds > 0:
