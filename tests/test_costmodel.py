@@ -184,8 +184,6 @@ def test_on_shared_cores_cpu_work_stretches_and_links_do_not():
 
 @pytest.mark.parametrize("density", [0.001, 0.1])
 def test_fit_on_few_hosts_predicts_many_hosts_on_the_same_cores(density):
-    """t_select holds the picks, as bench_comm measures it; the selection
-    lines are fitted net of them at the base's pair figure."""
     truth = CPU.replace(beta_inter=gbps_to_beta(1), gamma=3e-10, host_inter=2e-9, pair=2e-8)
 
     def rows(layouts):
@@ -193,10 +191,10 @@ def test_fit_on_few_hosts_predicts_many_hosts_on_the_same_cores(density):
                             truth.seconds(step_terms(a, Cluster(h, g, cores=2), n, density=density)),
                             truth.seconds({t: v for t, v in step_terms(a, Cluster(h, g, cores=2), n,
                                                                        density=density).items()
-                                           if t.startswith(("select", "pick"))}))
+                                           if t.startswith("select")}))
                 for h, g in layouts for a in ALGORITHMS for n in (1 << 20, 1 << 22)]
 
-    fitted = fit(rows([(2, 1), (4, 1), (2, 2), (4, 2)]), base=GPU.replace(pair=truth.pair))
+    fitted = fit(rows([(2, 1), (4, 1), (2, 2), (4, 2)]), base=GPU)
     assert fitted.host_inter == pytest.approx(2e-9, rel=0.05)
     if density >= 0.1:  # at 0.001 the pairs are too few to fix their figure
         assert fitted.pair == pytest.approx(2e-8, rel=0.05)
@@ -208,12 +206,12 @@ def test_each_pair_picked_or_scatter_added_costs_one_pair_figure():
     n, nodes, g = 6_500_000, 2, 2
     shard_k = selection_size(0.1, n // g)
     terms = step_terms("hitopk", Cluster(nodes, g), n, density=0.1, selector="threshold")
-    assert terms["pick"] == shard_k and terms["pair"] == nodes * shard_k  # its pick; every node's on its shard
+    assert terms["pair"] == shard_k + nodes * shard_k  # its picks, and every node's added on its shard
     terms = step_terms("topka", Cluster(nodes, g), n, density=0.1, selector="threshold")
-    assert terms["pick"] == selection_size(0.1, n) and terms["pair"] == nodes * g * selection_size(0.1, n)
+    k = selection_size(0.1, n)
+    assert terms["pair"] == k + nodes * g * k  # its picks, and every rank's added
     costly = CPU.replace(pair=2 * CPU.pair)
-    extra = costly.seconds(terms) - CPU.seconds(terms)
-    assert extra == pytest.approx(CPU.pair * (terms["pick"] + terms["pair"]))
+    assert costly.seconds(terms) - CPU.seconds(terms) == pytest.approx(CPU.pair * terms["pair"])
 
 
 def test_an_mpi_message_inside_a_node_is_copied_in_and_out():

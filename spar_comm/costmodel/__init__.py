@@ -20,7 +20,7 @@ from .calibrate import CalibrationError, Measurement, fit, load, relative_errors
 from .machine import CPU, GPU, PRESETS, Cluster, Machine, beta_to_gbps, gbps_to_beta
 
 #: The parts of a step, by the prefix of the terms they sum.
-PARTS = {"select": ("select", "pick"), "intra": ("alpha_intra", "beta_intra"),
+PARTS = {"select": ("select",), "intra": ("alpha_intra", "beta_intra"),
          "inter": ("alpha_inter", "beta_inter", "host_inter"),
          "local": ("gamma", "pair", "overhead")}
 

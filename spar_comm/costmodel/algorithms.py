@@ -3,9 +3,8 @@
 Each function mirrors its module in ``spar_comm.collectives``: the MPI calls
 it makes (costed by ``mpi.py``), the local memory passes it makes over the
 vector (``gamma`` per byte: residual add, copies, zero fills, the final
-average), the elements its selector scans and the (index, value) pairs it
-picks (``pick``), and the pairs it scatter-adds (``pair``); a pick costs
-what a pair does. Every call also pays
+average), the elements its selector scans, and the (index, value) pairs it
+picks and scatter-adds (``pair`` each: random accesses). Every call also pays
 the fixed ``overhead`` and the gradient check, a world Allgather of 4 bytes.
 
 Selection happens on every rank in parallel, so a step pays one rank's
@@ -58,7 +57,7 @@ class Shape:
 
     def select(self, elements: float, k: int) -> Terms:
         """One selector call over ``elements`` that picks ``k`` pairs."""
-        return Terms({f"select_call:{self.selector}": 1, f"select:{self.selector}": elements, "pick": k})
+        return Terms({f"select_call:{self.selector}": 1, f"select:{self.selector}": elements, "pair": k})
 
     def pairs(self, k: int) -> int:
         return pair_bytes(k, self.s)
@@ -188,7 +187,7 @@ def step_terms(algorithm: str, cluster: Cluster, size: int, dtype: str = "float3
 
 
 #: Terms that are work of a rank's CPU (selection terms too), as opposed to a link's.
-CPU_TERMS = ("overhead", "gamma", "pair", "pick", "alpha_intra", "alpha_inter", "beta_intra")
+CPU_TERMS = ("overhead", "gamma", "pair", "alpha_intra", "alpha_inter", "beta_intra")
 
 
 def on_cores(terms: Terms, cluster: Cluster) -> Terms:

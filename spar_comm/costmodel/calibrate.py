@@ -171,17 +171,14 @@ def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, Tuple
     return {method: selection_line(points) for method, points in samples.items()}
 
 
-def in_context_rates(rows: Sequence[Measurement], pair: float) -> Dict[str, Tuple[float, float]]:
-    """Selection figures from bench_comm's t_select, less the pairs picked
-    (``pair`` seconds each, which the model prices apart; what is left is
-    never taken below a tenth of t_select). gtopk is left out: its t_select
-    also holds the merges up the tree."""
+def in_context_rates(rows: Sequence[Measurement]) -> Dict[str, Tuple[float, float]]:
+    """Selection figures from bench_comm's t_select. gtopk is left out: its
+    t_select also holds the merges up the tree."""
     samples: Dict[str, List[Tuple[float, float]]] = {}
     for row in rows:
         if row.algorithm in ("topka", "hitopk", "hitopk_leader") and row.select_seconds > 0:
-            terms = row.terms()
-            scan = max(row.select_seconds - terms["pick"] * pair, row.select_seconds / 10)
-            samples.setdefault(row.selector, []).append((terms[f"select:{row.selector}"], scan))
+            elements = row.terms()[f"select:{row.selector}"]
+            samples.setdefault(row.selector, []).append((elements, row.select_seconds))
     return {selector: selection_line(points) for selector, points in samples.items()}
 
 
@@ -208,13 +205,12 @@ def fit(rows: Sequence[Measurement], base: Machine = CPU,
     """
     if not rows:
         raise ValueError("no measurements to fit")
-    select = {**base.select, **(rates or {}), **in_context_rates(rows, base.pair)}
+    select = {**base.select, **(rates or {}), **in_context_rates(rows)}
     machine = base.replace(select=select)
     rows = pooled(rows)
     terms = [row.terms() for row in rows]
     seconds = np.array([row.seconds for row in rows])
-    select_only = np.array([machine.seconds({t: a for t, a in ts.items() if t.startswith(("select", "pick"))})
-                            for ts in terms])
+    select_only = np.array([machine.seconds({t: a for t, a in ts.items() if t.startswith("select")}) for ts in terms])
     features = np.array([[ts.get(name, 0.0) for name in LINK_TERMS] for ts in terms])
     known = [j for j in range(len(LINK_TERMS)) if features[:, j].any()]
     a, b = features[:, known], seconds - select_only

@@ -104,8 +104,6 @@ class Machine:
                 total += amount * self.select[term[len("select:"):]][1]
             elif term.startswith("select_call:"):
                 total += amount * self.select[term[len("select_call:"):]][0]
-            elif term == "pick":  # a pair picked by the selector
-                total += amount * self.pair
             else:
                 total += amount * getattr(self, term)
         return total
