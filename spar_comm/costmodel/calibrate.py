@@ -11,8 +11,8 @@ Three kinds of JSON file are understood:
   small and large sizes weigh alike. Repeated runs of one setting are pooled
   by their median. ``t_select`` already holds the time of the pairs picked,
   which the model also counts in ``pair``: the fitted ``pair`` is what the
-  scatter-adds cost spread over both counts, and the predictions at the
-  density measured are unchanged by it.
+  scatter-adds cost spread over both counts, which holds at the density
+  measured and only roughly at others.
 * ``bench_topk.py`` output: selection time of every selector, per call and
   per element (a line through its times at the sizes measured), for
   selectors ``bench_comm`` did not run.
