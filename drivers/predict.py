@@ -76,9 +76,13 @@ def machine_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Mac
     return machine
 
 
+def cluster_of(args: argparse.Namespace, nodes: int) -> Cluster:
+    return Cluster(nodes, args.ranks_per_node, args.cores)
+
+
 def predict(args: argparse.Namespace, machine: Machine, **override) -> Dict[str, float]:
     point = {"nodes": args.nodes, "size": args.size, "density": args.density, **override}
-    cluster = Cluster(point["nodes"], args.ranks_per_node)
+    cluster = cluster_of(args, point["nodes"])
     return costmodel.predict(cluster, point["size"], machine, args.dtype, point["density"], args.selector,
                              algorithms=list(costmodel.STEPS), values=args.values, indices=args.indices)
 
@@ -161,14 +165,15 @@ def title(args) -> str:
     }
     links = f"inter {args.links[0]:.4g} Gbit/s, intra {args.links[1]:.4g} Gbit/s"
     codecs = "".join(f", {name} {kind}" for kind, name in (("values", args.values), ("indices", args.indices)) if name)
-    return ", ".join(p for p in parts.values() if p) + f", {args.dtype}, {args.selector}{codecs}; {links}"
+    cores = f"; {args.cores} cores shared" if args.cores else ""
+    return ", ".join(p for p in parts.values() if p) + f", {args.dtype}, {args.selector}{codecs}; {links}{cores}"
 
 
 def print_point(args, machine: Machine, times: Dict[str, float]) -> None:
     best = costmodel.fastest(times)
     print(f"# {title(args)}")
     print(f"{'algorithm':<14} {'ms/step':>10} {'vs dense':>8} {'select':>8} {'intra':>8} {'inter':>8} {'local':>8}")
-    cluster = Cluster(args.nodes, args.ranks_per_node)
+    cluster = cluster_of(args, args.nodes)
     for name, seconds in times.items():
         parts = costmodel.breakdown(name, cluster, args.size, machine, args.dtype, args.density, args.selector,
                                     values=args.values, indices=args.indices)
@@ -197,6 +202,9 @@ def parse_predict(argv: Optional[List[str]]) -> tuple:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=positive_int, required=True, help="number of nodes")
     parser.add_argument("--ranks-per-node", type=positive_int, required=True, help="ranks (GPUs) per node")
+    parser.add_argument("--cores", type=positive_int,
+                        help="the cores all ranks share, on an emulated cluster (as algorithm='auto' counts them "
+                             "where ranks outnumber cores): CPU work is stretched by ranks / cores")
     parser.add_argument("--inter-gbps", type=positive_float, help="network link of a node, Gbit/s")
     parser.add_argument("--intra-gbps", type=positive_float, help="rank-to-rank bandwidth inside a node, Gbit/s")
     parser.add_argument("--inter-latency-us", type=positive_float, help="override the inter-node latency (µs)")

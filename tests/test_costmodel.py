@@ -13,7 +13,7 @@ from spar_comm import ALGORITHMS, selection_size
 from spar_comm.collectives.checks import CODECS
 from spar_comm.costmodel import (CPU, GPU, CalibrationError, Cluster, Machine, Measurement, fastest, fit,
                                  gbps_to_beta, load, predict, relative_errors, step_terms)
-from spar_comm.costmodel import mpi
+from spar_comm.costmodel import mpi, probe
 
 clusters = st.builds(Cluster, st.integers(1, 512), st.integers(1, 16))
 sizes = st.integers(1, 2_000_000_000)
@@ -214,6 +214,21 @@ def test_each_pair_picked_or_scatter_added_costs_one_pair_figure():
     assert costly.seconds(terms) - CPU.seconds(terms) == pytest.approx(CPU.pair * terms["pair"])
 
 
+def test_a_gtopk_merge_is_priced_per_pair_and_by_an_exact_selection_over_the_union():
+    """On 4 ranks the root merges twice: each merge sorts 2k indices, searches
+    and adds 2k pairs, keeps k by an exact selection over 2k, and returns up
+    to k to the residual (9k pairs, 10k with the exact pick). At density 0.1
+    on 6.5M float32 that is near 60 ns a pair in (``GTopKAllreducer._merge``,
+    measured on one core)."""
+    n = 6_500_000
+    k = selection_size(0.1, n)
+    terms = step_terms("gtopk", Cluster(4, 1), n, density=0.1, selector="threshold")
+    assert terms["pair"] == k + 2 * (9 * k + k) + k  # its picks, two merges, the result scattered
+    assert terms["select:exact"] == 2 * 2 * k and terms["select_call:exact"] == 2
+    merges = CPU.seconds({t: v for t, v in terms.items() if t in ("pair", "select:exact")}) - CPU.pair * 2 * k
+    assert 40e-9 < merges / (2 * 2 * k) < 90e-9
+
+
 def test_an_mpi_message_inside_a_node_is_copied_in_and_out():
     for inter in (False, True):
         terms = mpi.Terms()
@@ -252,3 +267,27 @@ def test_adasum_is_priced_but_never_the_fastest():
     assert fastest({"adasum": 1e-6, "hier_dense": 1.0, "dense": 2.0}) == "hier_dense"
     assert fastest({"adasum": 1.0}) == "adasum"
     assert "adasum" in predict(Cluster(2, 2), 1 << 20, GPU)
+
+
+@pytest.mark.parametrize("ranks, cores", [
+    ([("a", [0, 1])] * 4, 2),                                  # an emulated cluster: 4 ranks on 2 cores
+    ([("a", [0, 1, 2, 3])] * 4, None),                         # a core each
+    ([("a", [i]) for i in range(4)], None),                    # pinned, a core each (Open MPI's binding)
+    ([("a", range(16))] * 8 + [("b", range(16))] * 8, None),   # two real nodes
+    ([("a", [0, 1])] * 4 + [("b", range(8))] * 2, 3),          # the crowded machine sets the stretch: 2
+    ([("a", [0])] * 3, 1),
+])
+def test_the_cores_auto_prices_come_from_the_most_crowded_machine(ranks, cores):
+    assert probe.cores_for(ranks) == cores
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.sets(st.integers(0, 7), min_size=1)), min_size=1, max_size=24))
+def test_cores_stretch_cpu_work_by_the_worst_ranks_per_core_within_rounding(ranks):
+    per_machine = {m: [cpus for name, cpus in ranks if name == m] for m, _ in ranks}
+    worst = max(len(sets) / len(set().union(*sets)) for sets in per_machine.values())
+    cores = probe.cores_for(ranks)
+    if worst <= 1:
+        assert cores is None
+    else:  # cores is round(ranks / worst)
+        assert 1 <= cores <= len(ranks) and abs(len(ranks) / cores - worst) <= worst / (2 * cores) + 1e-9

@@ -1,5 +1,7 @@
 """``algorithm="auto"`` under MPI: one choice on every rank, dense for small
-buckets and sparse for large ones, and a bad calibration refused everywhere."""
+buckets and sparse for large ones, one machine priced on every rank (the
+link timed unless a calibration names it), and a bad calibration refused
+everywhere."""
 from __future__ import annotations
 
 import json
@@ -10,7 +12,7 @@ from mpi4py import MPI
 
 from mpi_helpers import assert_all, assert_identical_bits
 from spar_comm import ALGORITHMS, ConfigError, Topology, make_allreducer
-from spar_comm.costmodel import GPU
+from spar_comm.costmodel import CPU, GPU, auto
 from spar_comm.costmodel.auto import ENV_CALIBRATION
 
 COMM = MPI.COMM_WORLD
@@ -66,3 +68,37 @@ def test_auto_with_bad_settings_raises_the_usual_config_error(topology):
     except ConfigError as error:
         failed = "density" in str(error)
     assert_all(COMM, failed, "no ConfigError for density 1.5")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_prices_one_machine_on_every_rank_with_the_link_it_timed(topology, monkeypatch):
+    """Without a calibration: the preset, with the link between nodes as the
+    probe timed it (shared memory here: positive and finite, and not the
+    preset's 25 Gbit/s to the last bit) and the preset's kept on one node;
+    identical on every rank, and measured once per topology."""
+    monkeypatch.delenv(ENV_CALIBRATION, raising=False)
+    machine, cluster = auto.priced(topology)
+    assert auto.priced(topology)[0] is machine
+    assert_all(COMM, (cluster.nodes, cluster.ranks_per_node) == (topology.num_nodes, max(topology.node_sizes)),
+               f"shape {cluster}")
+    figures = json.dumps(machine.to_dict(), sort_keys=True)
+    assert_all(COMM, len(set(COMM.allgather((figures, cluster)))) == 1, "ranks price different machines")
+    timed = (machine.alpha_inter, machine.beta_inter)
+    if topology.num_nodes == 1:
+        assert_all(COMM, timed == (CPU.alpha_inter, CPU.beta_inter), f"one node, yet {timed}")
+    else:
+        assert_all(COMM, 0 < machine.alpha_inter < 0.1 and 0 < machine.beta_inter < 1e-6
+                   and machine.beta_inter != CPU.beta_inter, f"the probe timed {timed}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_calibration_names_the_link_and_nothing_is_timed(tmp_path_factory, monkeypatch):
+    slow = CPU.with_links(inter_gbps=0.5)
+    path = tmp_path_factory.mktemp("cal") / "half.json" if COMM.rank == 0 else None
+    if COMM.rank == 0:
+        path.write_text(json.dumps({"tool": "spar_comm.costmodel", "machine": slow.to_dict()}))
+    monkeypatch.setenv(ENV_CALIBRATION, str(COMM.bcast(path)))
+    topo = Topology(ranks_per_node=1)
+    machine, _ = auto.priced(topo)
+    assert_all(COMM, machine == slow, f"priced {machine}")
+    topo.free()

@@ -58,6 +58,34 @@ def test_inter_host_bytes_cross_the_shaped_links(cluster):
     assert abs(sent - report["bytes_inter"]) <= 0.10 * report["bytes_inter"], (sent, report)
 
 
+PRICED_LINK = """
+import os
+from spar_comm import Topology
+from spar_comm.costmodel import auto
+os.environ.pop(auto.ENV_CALIBRATION, None)
+topology = Topology()  # no emulation: the hosts are found by shared memory
+machine, cluster = auto.priced(topology)
+if topology.world.rank == 0:
+    print(8 / machine.beta_inter / 1e9, machine.alpha_inter, cluster.cores)
+"""
+
+
+@needs_netns
+@pytest.mark.parametrize("rate, gbps", [("1gbit", 1.0), ("100mbit", 0.1)])
+def test_auto_times_the_shaped_link(cluster, rate, gbps):
+    """Without a calibration ``auto`` prices the link the probe timed: within
+    30% of the shaped rate (the token bucket lets a burst through at once),
+    and four ranks on this machine's cores counted as such."""
+    emucluster.reshape(cluster, rate, "0us")
+    result = emucluster.run(cluster, [sys.executable, "-c", PRICED_LINK], timeout=120)
+    assert result.returncode == 0, result.stderr
+    timed, alpha, cores = result.stdout.split()[-3:]
+    print(f"{rate}: timed {float(timed):.3f} Gbit/s, latency {float(alpha) * 1e6:.0f} us, cores {cores}")
+    assert 0.7 * gbps <= float(timed) <= 1.3 * gbps and 0 < float(alpha) < 0.01
+    expected = len(os.sched_getaffinity(0))
+    assert cores == (str(expected) if expected < 4 else "None")
+
+
 @needs_netns
 def test_links_are_shaped_and_reshaped(cluster):
     qdiscs = subprocess.run(["ip", "netns", "exec", cluster.namespace(0), "tc", "qdisc", "show", "dev",

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from spar_comm import ALGORITHMS
-from spar_comm.costmodel import CPU, fastest
+from spar_comm.costmodel import CPU, Cluster, fastest, step_terms
 from test_costmodel import synthetic_rows
 
 SPEC = importlib.util.spec_from_file_location("predict_driver", __file__.replace("tests/test_predict.py", "drivers/predict.py"))
@@ -37,6 +37,18 @@ def test_json_gives_seconds_and_the_best(capsys):
     assert list(document["algorithms"]) == list(ALGORITHMS)
     assert document["best"] == fastest(document["algorithms"])  # of those that sum
     assert document["size"] == 1_500_000_000
+
+
+def test_cores_shared_by_the_ranks_price_the_emulated_cluster(capsys):
+    """--cores 2 for 4 ranks: what step_terms gives for Cluster(2, 2, cores=2)."""
+    point = ["--nodes", "2", "--ranks-per-node", "2", "--inter-gbps", "1", "--intra-gbps", "80", "--preset", "cpu",
+             "--size", "6.5M", "--density", "0.1", "--selector", "threshold", "--json"]
+    shared = json.loads(run(capsys, *point, "--cores", "2")[1].out)["algorithms"]
+    owned = json.loads(run(capsys, *point)[1].out)["algorithms"]
+    machine = CPU.with_links(inter_gbps=1, intra_gbps=80)
+    for name in ("hier_dense", "hitopk"):
+        expected = machine.seconds(step_terms(name, Cluster(2, 2, cores=2), 6_500_000, density=0.1, selector="threshold"))
+        assert shared[name] == pytest.approx(expected) and shared[name] > owned[name]
 
 
 def write_bench(path, rows):
@@ -82,6 +94,7 @@ def test_size_sweep_finds_where_sparse_overtakes_dense(capsys):
     ([*CLUSTER, "--size", "10", "--density", "nan"], "positive finite"),
     (["--nodes", "0", "--ranks-per-node", "8", "--inter-gbps", "25", "--intra-gbps", "1", "--size", "10"], "must be >= 1"),
     (["--nodes", "2", "--ranks-per-node", "-1", "--inter-gbps", "25", "--intra-gbps", "1", "--size", "10"], "must be >= 1"),
+    ([*CLUSTER, "--size", "10", "--cores", "0"], "must be >= 1"),
     (["--nodes", "2", "--ranks-per-node", "8", "--inter-gbps", "0", "--intra-gbps", "1", "--size", "10"], "positive finite"),
     (["--nodes", "2", "--ranks-per-node", "8", "--inter-gbps", "25", "--intra-gbps", "-3", "--size", "10"], "positive finite"),
     (["--nodes", "2", "--ranks-per-node", "8", "--size", "10"], "required without --calibration"),

@@ -1,52 +1,82 @@
 """``algorithm="auto"``: the allreducer the model predicts fastest, chosen alike on every rank.
 
-The choice is a pure function of the topology's shape, the size, dtype,
-density, selector and the machine figures. Every rank holds the first four
-identically (make_allreducer checks them across ranks); the figures are the
-built-in CPU preset (this package's kernels select on the host), or the
-calibration named by ``SPAR_COMM_CALIBRATION``, read on rank 0 alone and
-broadcast, so that every rank prices the same machine.
+The choice is a pure function of the cluster's shape, the size, dtype,
+density, selector and the machine figures. Every rank holds the size, dtype,
+density and selector identically (make_allreducer checks them across ranks);
+the shape and the figures are made once per topology and broadcast
+(``priced``): the calibration named by ``SPAR_COMM_CALIBRATION``, read on
+rank 0 alone; without one, the built-in CPU preset (this package's kernels
+select on the host) with the link between nodes as ``probe.link`` times it;
+and as many cores as ``probe.shared_cores`` finds where ranks share them.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+import weakref
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from ..consensus import raise_if_any
 from ..topology import Topology
-from . import calibrate, fastest, predict
-from .machine import CPU, Cluster, Machine
+from . import calibrate, fastest, predict, probe
+from .machine import CPU, Cluster, Machine, beta_to_gbps
 
 ENV_CALIBRATION = "SPAR_COMM_CALIBRATION"
 
+#: topology -> what ``priced`` found for it. Every rank makes and drops a
+#: topology together, so every rank finds or misses it alike.
+_PRICED: "weakref.WeakKeyDictionary[Topology, Tuple[Machine, Cluster]]" = weakref.WeakKeyDictionary()
 
-def shared_machine(topology: Topology) -> Machine:
-    """The machine figures, identical on every rank (collective)."""
+
+def shared_machine(topology: Topology) -> Tuple[Machine, bool]:
+    """The machine figures, identical on every rank, and whether a calibration
+    gave them (collective)."""
     figures, problem = None, None
+    path = os.environ.get(ENV_CALIBRATION, "").strip() if topology.world.rank == 0 else ""
     if topology.world.rank == 0:
-        path = os.environ.get(ENV_CALIBRATION, "").strip()
         try:
             figures = (calibrate.load([path], base=CPU) if path else CPU).to_dict()
         except calibrate.CalibrationError as error:
             problem = f"{ENV_CALIBRATION}: {error}"
     raise_if_any(topology.world, problem)
-    return Machine.from_dict(topology.world.bcast(figures, root=0))
+    figures, calibrated = topology.world.bcast((figures, bool(path)), root=0)
+    return Machine.from_dict(figures), calibrated
+
+
+def priced(topology: Topology) -> Tuple[Machine, Cluster]:
+    """The figures and the shape ``auto`` prices for ``topology``, identical
+    on every rank (collective; measured on the first call for a topology)."""
+    known = _PRICED.get(topology)
+    if known is None:
+        machine, calibrated = shared_machine(topology)
+        measured = None if calibrated else probe.link(topology)
+        if measured is not None:
+            machine = machine.replace(alpha_inter=measured[0], beta_inter=measured[1])
+        cluster = Cluster(topology.num_nodes, max(topology.node_sizes), probe.shared_cores(topology))
+        known = _PRICED[topology] = (machine, cluster)
+    return known
+
+
+def describe(topology: Topology) -> str:
+    """What ``auto`` prices for ``topology``, in a few words (collective on a
+    topology's first call, as ``priced``)."""
+    machine, cluster = priced(topology)
+    link = f"{beta_to_gbps(machine.beta_inter):.3g} Gbit/s between nodes" if cluster.nodes > 1 else "one node"
+    return link + (f", {cluster.ranks} ranks on {cluster.cores} cores" if cluster.cores else "")
 
 
 def choose(topology: Topology, size: Any, dtype: Any, density: Any, selector: Any,
-           machine: Optional[Machine] = None, values: Optional[str] = None, indices: Optional[str] = None) -> str:
+           values: Optional[str] = None, indices: Optional[str] = None) -> str:
     """The fastest algorithm for this topology and bucket (collective); with
     codecs (``values``, ``indices``), the fastest of those that take them.
 
     Settings the allreducers would refuse get ``dense``, whose constructor
     then raises the same ConfigError on every rank.
     """
-    machine = shared_machine(topology) if machine is None else machine
+    machine, cluster = priced(topology)
     try:
         valid = int(size) >= 1 and 0 < float(density) <= 1 and selector in machine.select
-        cluster = Cluster(topology.num_nodes, max(topology.node_sizes))
         if valid:
             return fastest(predict(cluster, int(size), machine, np.dtype(dtype).name, float(density), selector,
                                    values=values, indices=indices))
