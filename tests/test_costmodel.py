@@ -269,6 +269,26 @@ def test_adasum_is_priced_but_never_the_fastest():
     assert "adasum" in predict(Cluster(2, 2), 1 << 20, GPU)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-6, 0.05), st.floats(0.01, 400.0))
+def test_the_link_probe_recovers_latency_and_bandwidth_of_a_linear_link(alpha, gbps):
+    """A link whose round trip of n bytes takes 2 (alpha + n beta), as a long
+    fat one (25 ms at 1 Gbit/s) or a LAN: both figures come back, and the
+    message grew until its bytes took 20 ms one way or reached 16 MiB."""
+    beta = gbps_to_beta(gbps)
+    sizes = []
+
+    def round_trip(nbytes):
+        sizes.append(nbytes)
+        return 2 * (alpha + nbytes * beta)
+
+    timed_alpha, timed_beta = probe.time_link(round_trip)
+    # the latency's trips carry 8 bytes, which the bandwidth then leaves out (at most 8 in 16 KiB)
+    assert timed_alpha == pytest.approx(alpha + 8 * beta, rel=1e-9) and timed_beta == pytest.approx(beta, rel=1e-3)
+    assert sizes[-1] == probe.LAST_BYTES or sizes[-1] * beta >= probe.TRANSFER_SECONDS
+    assert sizes[-1] == probe.FIRST_BYTES or sizes[-1] / 2 * beta < probe.TRANSFER_SECONDS
+
+
 @pytest.mark.parametrize("ranks, cores", [
     ([("a", [0, 1])] * 4, 2),                                  # an emulated cluster: 4 ranks on 2 cores
     ([("a", [0, 1, 2, 3])] * 4, None),                         # a core each
@@ -279,6 +299,13 @@ def test_adasum_is_priced_but_never_the_fastest():
 ])
 def test_the_cores_auto_prices_come_from_the_most_crowded_machine(ranks, cores):
     assert probe.cores_for(ranks) == cores
+
+
+def test_the_cores_stretch_the_priced_cluster_as_the_crowded_machine():
+    """6 ranks priced as 2 nodes of 4 (unequal nodes: 4 + 2), 3 ranks to a core."""
+    ranks = [("a", [0, 1])] * 6
+    assert probe.cores_for(ranks) == 2 and probe.cores_for(ranks, priced=8) == 3
+    assert Cluster(2, 4, probe.cores_for(ranks, priced=8)).contention == pytest.approx(8 / 3)
 
 
 @settings(max_examples=200, deadline=None)

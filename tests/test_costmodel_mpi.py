@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from mpi_helpers import assert_all, assert_identical_bits
-from spar_comm import ALGORITHMS, ConfigError, Topology, make_allreducer
-from spar_comm.costmodel import CPU, GPU, auto
+from spar_comm import ALGORITHMS, ConfigError, SparCommError, Topology, make_allreducer
+from spar_comm.costmodel import CPU, GPU, auto, probe
 from spar_comm.costmodel.auto import ENV_CALIBRATION
 
 COMM = MPI.COMM_WORLD
@@ -77,18 +77,42 @@ def test_auto_prices_one_machine_on_every_rank_with_the_link_it_timed(topology, 
     preset's 25 Gbit/s to the last bit) and the preset's kept on one node;
     identical on every rank, and measured once per topology."""
     monkeypatch.delenv(ENV_CALIBRATION, raising=False)
-    machine, cluster = auto.priced(topology)
-    assert auto.priced(topology)[0] is machine
-    assert_all(COMM, (cluster.nodes, cluster.ranks_per_node) == (topology.num_nodes, max(topology.node_sizes)),
+    fresh = Topology(ranks_per_node=topology.emulated_ranks_per_node)
+    machine, cluster = auto.priced(fresh)
+    assert auto.priced(fresh)[0] is machine
+    assert_all(COMM, (cluster.nodes, cluster.ranks_per_node) == (fresh.num_nodes, max(fresh.node_sizes)),
                f"shape {cluster}")
     figures = json.dumps(machine.to_dict(), sort_keys=True)
     assert_all(COMM, len(set(COMM.allgather((figures, cluster)))) == 1, "ranks price different machines")
     timed = (machine.alpha_inter, machine.beta_inter)
-    if topology.num_nodes == 1:
+    if fresh.num_nodes == 1:
         assert_all(COMM, timed == (CPU.alpha_inter, CPU.beta_inter), f"one node, yet {timed}")
     else:
         assert_all(COMM, 0 < machine.alpha_inter < 0.1 and 0 < machine.beta_inter < 1e-6
                    and machine.beta_inter != CPU.beta_inter, f"the probe timed {timed}")
+    fresh.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failed_timing_raises_the_same_error_on_every_rank(monkeypatch):
+    monkeypatch.delenv(ENV_CALIBRATION, raising=False)
+
+    def broken(round_trip):
+        round_trip(8)
+        raise OSError("injected")
+
+    monkeypatch.setattr(probe, "time_link", broken)  # called on world rank 0 alone
+    topo = Topology(ranks_per_node=1)
+    failed = False
+    try:
+        make_allreducer("auto", topo, 1000)
+    except SparCommError as error:
+        failed = "timing the link between nodes" in str(error) and "injected" in str(error)
+    assert_all(COMM, failed, "no SparCommError naming the failed timing")
+    reducer = make_allreducer("dense", topo, 1000)  # and the ranks still talk
+    assert_all(COMM, np.array_equal(reducer.allreduce(np.ones(1000, np.float32)), np.ones(1000)),  # the mean
+               "the next allreduce is wrong")
+    topo.free()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -98,7 +122,13 @@ def test_a_calibration_names_the_link_and_nothing_is_timed(tmp_path_factory, mon
     if COMM.rank == 0:
         path.write_text(json.dumps({"tool": "spar_comm.costmodel", "machine": slow.to_dict()}))
     monkeypatch.setenv(ENV_CALIBRATION, str(COMM.bcast(path)))
+
+    def untimed(*args):
+        raise AssertionError("timed despite a calibration")
+
+    monkeypatch.setattr(probe, "link", untimed)
+    monkeypatch.setattr(probe, "shared_cores", untimed)
     topo = Topology(ranks_per_node=1)
-    machine, _ = auto.priced(topo)
-    assert_all(COMM, machine == slow, f"priced {machine}")
+    machine, cluster = auto.priced(topo)
+    assert_all(COMM, machine == slow and cluster.cores is None, f"priced {machine}, {cluster}")
     topo.free()

@@ -106,6 +106,7 @@ def test_the_dense_hook_gives_ddps_own_mean(topology):
 @pytest.mark.parametrize("algorithm, settings", [
     *((a, {}) for a in ["topka", "gtopk", "hitopk", "hitopk_leader"]),
     ("hitopk", {"values": "int8", "indices": "auto"}), ("dense", {"values": "int8"}), ("powersgd", {"rank": 2}),
+    ("auto", {}),
 ], ids=str)
 def test_compressed_buckets_conserve_gradient_mass_through_the_rebuild(topology, algorithm, settings):
     """Applied updates plus every rank's residuals equal the raw gradients'

@@ -5,9 +5,10 @@ density, selector and the machine figures. Every rank holds the size, dtype,
 density and selector identically (make_allreducer checks them across ranks);
 the shape and the figures are made once per topology and broadcast
 (``priced``): the calibration named by ``SPAR_COMM_CALIBRATION``, read on
-rank 0 alone; without one, the built-in CPU preset (this package's kernels
-select on the host) with the link between nodes as ``probe.link`` times it;
-and as many cores as ``probe.shared_cores`` finds where ranks share them.
+rank 0 alone, whose figures hold whatever crowding of cores it was measured
+under; without one, the built-in CPU preset (this package's kernels select
+on the host) with the link between nodes as ``probe.link`` times it and as
+many cores as ``probe.shared_cores`` finds where ranks share them.
 """
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ _PRICED: "weakref.WeakKeyDictionary[Topology, Tuple[Machine, Cluster]]" = weakre
 
 def shared_machine(topology: Topology) -> Tuple[Machine, bool]:
     """The machine figures, identical on every rank, and whether a calibration
-    gave them (collective)."""
-    figures, problem = None, None
-    path = os.environ.get(ENV_CALIBRATION, "").strip() if topology.world.rank == 0 else ""
+    gave them (collective). Selectors a calibration lacks keep the preset's
+    figures (a gTop-k merge is priced with ``exact``)."""
+    figures, path, problem = None, "", None
     if topology.world.rank == 0:
+        path = os.environ.get(ENV_CALIBRATION, "").strip()
         try:
-            figures = (calibrate.load([path], base=CPU) if path else CPU).to_dict()
+            machine = calibrate.load([path], base=CPU) if path else CPU
+            figures = machine.replace(select={**CPU.select, **machine.select}).to_dict()
         except calibrate.CalibrationError as error:
             problem = f"{ENV_CALIBRATION}: {error}"
     raise_if_any(topology.world, problem)
@@ -50,10 +53,14 @@ def priced(topology: Topology) -> Tuple[Machine, Cluster]:
     known = _PRICED.get(topology)
     if known is None:
         machine, calibrated = shared_machine(topology)
-        measured = None if calibrated else probe.link(topology)
-        if measured is not None:
-            machine = machine.replace(alpha_inter=measured[0], beta_inter=measured[1])
-        cluster = Cluster(topology.num_nodes, max(topology.node_sizes), probe.shared_cores(topology))
+        nodes, per_node = topology.num_nodes, max(topology.node_sizes)
+        cores = None
+        if not calibrated:
+            timed = probe.link(topology)
+            if timed is not None:
+                machine = machine.replace(alpha_inter=timed[0], beta_inter=timed[1])
+            cores = probe.shared_cores(topology, nodes * per_node)
+        cluster = Cluster(nodes, per_node, cores)
         known = _PRICED[topology] = (machine, cluster)
     return known
 

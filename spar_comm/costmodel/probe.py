@@ -1,39 +1,31 @@
-"""What ``auto`` measures of the cluster it runs on: the link between nodes,
-and how many ranks share a core.
+"""What ``auto`` measures of the cluster it runs on, where no calibration
+says: the link between nodes, and how many ranks share a core.
 
-The CPU preset prices every network at 25 Gbit/s; on a 1 Gbit/s link that
-sends a 6.5M bucket at density 0.1 dense, where a sparse algorithm takes
-half the time. So, unless a calibration names the figures, the leaders of
-nodes 0 and 1 time a ping-pong once: small messages for the latency, then a
-message doubling from ``FIRST_BYTES`` until one way takes ``ONE_WAY_SECONDS``
-(or it reaches ``LAST_BYTES``), for the bandwidth. It costs a few tenths of
-a second on a slow link and a few milliseconds on a fast one.
-
-Ranks that share cores (an emulated cluster, or more ranks than cores on a
-node) stretch every CPU pass of an allreduce; the model knows it as
-``Cluster.cores``. Ranks find which of them share a machine by the kernel's
-boot id (the same in every network namespace of one machine), and the cores
-of a machine are the union of its ranks' CPU affinities.
-
-Both are collective over ``topology.world`` and give every rank the same
-figures (rank 0's measurement, broadcast).
+The CPU preset prices every network at 25 Gbit/s, and every rank as owning
+a core. On a 1 Gbit/s link that sends a 6.5M bucket at density 0.1 dense,
+where a sparse algorithm takes half the time; on 4 ranks sharing 2 cores it
+underprices every pass over memory. Both are collective over
+``topology.world`` and give every rank rank 0's figures.
 """
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import waiting
+from ..consensus import raise_if_any
+from ..errors import SparCommError
 from ..mpi_strings import processor_name
 from ..topology import Topology
 
 FIRST_BYTES = 1 << 14
 LAST_BYTES = 1 << 24
-ONE_WAY_SECONDS = 0.02
+#: A message grows until its bytes (latency aside) take this long one way.
+TRANSFER_SECONDS = 0.02
 #: Round trips timed for the latency (the least taken: a busy core only adds
 #: to it) and at the final size (the median taken).
 LATENCY_TRIPS = 5
@@ -42,58 +34,75 @@ _SMALL = 8
 _TAG = 71
 
 
-def _round_trip(comm: MPI.Comm, buf: np.ndarray, nbytes: int) -> float:
-    start = MPI.Wtime()
-    comm.Send([buf, nbytes, MPI.BYTE], dest=1, tag=_TAG)
-    comm.Recv([buf, nbytes, MPI.BYTE], source=1, tag=_TAG)
-    return MPI.Wtime() - start
-
-
-def _median_trip(comm: MPI.Comm, buf: np.ndarray, nbytes: int, trips: int) -> float:
-    return float(np.median([_round_trip(comm, buf, nbytes) for _ in range(trips)]))
-
-
-def _time_link(comm: MPI.Comm, buf: np.ndarray) -> Tuple[float, float]:
-    """Leader 0's side: (latency in seconds, seconds per byte) one way."""
-    _round_trip(comm, buf, _SMALL)  # the connection's first message
-    alpha = min(_round_trip(comm, buf, _SMALL) for _ in range(LATENCY_TRIPS)) / 2
+def time_link(round_trip: Callable[[int], float]) -> Tuple[float, float]:
+    """(latency in seconds, seconds per byte) one way, from ``round_trip(nbytes)``,
+    the seconds of one message of ``nbytes`` there and back: the latency from
+    the fastest small trip, the bandwidth from a message doubling from
+    ``FIRST_BYTES`` until its bytes take ``TRANSFER_SECONDS`` one way (or it
+    reaches ``LAST_BYTES``); tens of milliseconds on a fast link, a few tenths
+    of a second at 100 Mbit/s."""
+    round_trip(_SMALL)  # the connection's first message
+    alpha = min(round_trip(_SMALL) for _ in range(LATENCY_TRIPS)) / 2
     nbytes = FIRST_BYTES
-    while nbytes < LAST_BYTES and _round_trip(comm, buf, nbytes) / 2 < ONE_WAY_SECONDS:
+    while nbytes < LAST_BYTES and round_trip(nbytes) / 2 - alpha < TRANSFER_SECONDS:
         nbytes *= 2
-    one_way = _median_trip(comm, buf, nbytes, BANDWIDTH_TRIPS) / 2
-    return alpha, max(one_way - alpha, one_way / 2) / nbytes
+    transfer = float(np.median([round_trip(nbytes) for _ in range(BANDWIDTH_TRIPS)])) / 2 - alpha
+    return alpha, max(transfer, 1e-9) / nbytes  # never a transfer timed as free
 
 
-def _echo(comm: MPI.Comm, buf: np.ndarray) -> None:
-    """Leader 1's side: send every message back until an empty one comes."""
-    status = MPI.Status()
-    while True:
-        comm.Probe(source=0, tag=_TAG, status=status)
-        nbytes = status.Get_count(MPI.BYTE)
-        comm.Recv([buf, nbytes, MPI.BYTE], source=0, tag=_TAG)
-        if nbytes == 0:
-            return
-        comm.Send([buf, nbytes, MPI.BYTE], dest=0, tag=_TAG)
+def _partner(leaders: MPI.Comm) -> int:
+    """The first leader on another machine than leader 0 (so that emulated
+    nodes spread over real hosts time the network), else leader 1."""
+    machines = leaders.allgather(_machine_id())
+    return next((i for i, m in enumerate(machines) if m != machines[0]), 1)
+
+
+def _pingpong(leaders: MPI.Comm) -> Tuple[Optional[Tuple[float, float]], Optional[str]]:
+    """Leader 0 times the link to its partner, which echoes every message
+    until an empty one; the others wait. Leader 0's (figures, problem)."""
+    partner = _partner(leaders)
+    if leaders.rank not in (0, partner):
+        return None, None
+    buf = np.zeros(LAST_BYTES, np.uint8)
+    if leaders.rank != 0:
+        status = MPI.Status()
+        while True:
+            leaders.Probe(source=0, tag=_TAG, status=status)
+            nbytes = status.Get_count(MPI.BYTE)
+            leaders.Recv([buf, nbytes, MPI.BYTE], source=0, tag=_TAG)
+            if nbytes == 0:
+                return None, None
+            leaders.Send([buf, nbytes, MPI.BYTE], dest=0, tag=_TAG)
+
+    def round_trip(nbytes: int) -> float:
+        start = MPI.Wtime()
+        leaders.Send([buf, nbytes, MPI.BYTE], dest=partner, tag=_TAG)
+        leaders.Recv([buf, nbytes, MPI.BYTE], source=partner, tag=_TAG)
+        return MPI.Wtime() - start
+
+    try:
+        return time_link(round_trip), None
+    except Exception as error:  # agreed below, so that every rank raises it
+        return None, f"{type(error).__name__}: {error}"
+    finally:
+        leaders.Send([buf, 0, MPI.BYTE], dest=partner, tag=_TAG)
 
 
 def link(topology: Topology) -> Optional[Tuple[float, float]]:
-    """(alpha_inter, beta_inter) between nodes 0 and 1, the same on every
-    rank; None on one node (collective)."""
+    """(alpha_inter, beta_inter) of the link between two nodes, the same on
+    every rank; None on one node (collective). Raises SparCommError on every
+    rank if the timing failed."""
     if topology.num_nodes < 2:
         return None
-    figures = np.zeros(2)
+    figures, problem = None, None
     if topology.leader != MPI.COMM_NULL:
-        comm = topology.leader.Dup()  # no message of the probe can match another's
-        if comm.rank < 2:
-            buf = np.zeros(LAST_BYTES, np.uint8)
-            if comm.rank == 0:
-                figures[:] = _time_link(comm, buf)
-                comm.Send([buf, 0, MPI.BYTE], dest=1, tag=_TAG)
-            else:
-                _echo(comm, buf)
-        comm.Free()
-    waiting.collective(topology.world, "Bcast", figures, root=0, nbytes=figures.nbytes)
-    return float(figures[0]), float(figures[1])
+        leaders = topology.leader.Dup()  # no message of the probe can match another's
+        figures, problem = _pingpong(leaders)
+        leaders.Free()
+    waiting.collective(topology.world, "Barrier")  # the others sleep, leaving the cores to the two timing
+    raise_if_any(topology.world, problem and f"timing the link between nodes for algorithm='auto': {problem}",
+                 SparCommError)
+    return topology.world.bcast(figures, root=0)
 
 
 def _machine_id() -> str:
@@ -106,15 +115,17 @@ def _machine_id() -> str:
 
 
 def _cpus() -> Tuple[int, ...]:
+    """The CPUs this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return tuple(sorted(os.sched_getaffinity(0)))
     return tuple(range(os.cpu_count() or 1))
 
 
-def cores_for(ranks: Sequence[Tuple[str, Iterable[int]]]) -> Optional[int]:
-    """``Cluster.cores`` for ranks given as (machine, cpus they may run on):
-    None when no machine has more ranks than cores, else the cores that give
-    the whole cluster the most crowded machine's ranks per core."""
+def cores_for(ranks: Sequence[Tuple[str, Iterable[int]]], priced: Optional[int] = None) -> Optional[int]:
+    """``Cluster.cores`` for ranks given as (machine, CPUs they may run on):
+    None when no machine has more ranks than CPUs, else the cores that give
+    a cluster of ``priced`` ranks (default: these) the most crowded
+    machine's ranks per core."""
     counts, cpus = defaultdict(int), defaultdict(set)
     for machine, allowed in ranks:
         counts[machine] += 1
@@ -122,9 +133,10 @@ def cores_for(ranks: Sequence[Tuple[str, Iterable[int]]]) -> Optional[int]:
     crowding = max(counts[m] / max(1, len(cpus[m])) for m in counts)
     if crowding <= 1:
         return None
-    return max(1, round(len(ranks) / crowding))
+    return max(1, round((len(ranks) if priced is None else priced) / crowding))
 
 
-def shared_cores(topology: Topology) -> Optional[int]:
-    """``cores_for`` every rank of ``topology.world`` (collective)."""
-    return cores_for(topology.world.allgather((_machine_id(), _cpus())))
+def shared_cores(topology: Topology, priced: int) -> Optional[int]:
+    """``cores_for`` every rank of ``topology.world``, for a model cluster of
+    ``priced`` ranks (collective)."""
+    return cores_for(topology.world.allgather((_machine_id(), _cpus())), priced)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives import make_allreducer
+from ..collectives import AUTO, make_allreducer
 from ..consensus import raise_if_any, require_same
 from ..errors import SparCommError
 from ..launch import abort_job
@@ -106,6 +106,10 @@ class HookState:
             if self.topology is None:  # collective, on every rank's first bucket (index order or not)
                 self.topology = Topology(device="gpu" if buffer.is_cuda else "cpu")
                 self._streams = streams_for(self.topology.memory)
+            if self.algorithm == AUTO:  # collective: priced here, where every rank's backward waits for it
+                from ..costmodel.auto import priced  # the cost model builds on the collectives
+
+                priced(self.topology)
             self._thread = threading.Thread(target=self._serve, name="spar_comm-ddp-hook", daemon=True)
             self._thread.start()
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
