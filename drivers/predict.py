@@ -77,6 +77,7 @@ def machine_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Mac
 
 
 def cluster_of(args: argparse.Namespace, nodes: int) -> Cluster:
+    """The priced cluster at ``nodes`` nodes (a sweep varies them)."""
     return Cluster(nodes, args.ranks_per_node, args.cores)
 
 
