@@ -32,6 +32,7 @@ from spar_comm.costmodel.calibrate import TOOL, measurements, read, topk_rates
 from spar_comm.errors import ConfigError
 from spar_comm.files import BadFileError, seal, stamp
 from spar_comm.training import TrainConfig, build_model
+from spar_comm.training import checkpoint
 from spar_comm.training.checkpoint import read_checkpoint
 from spar_comm.training.data import load_dataset
 from spar_comm.training.trace import GROWING, read_trace
@@ -302,3 +303,23 @@ def test_resume_from_a_bad_file_exits_2_on_every_rank_and_touches_nothing(tmp_pa
                         "--resume", ranks=2)
     assert_refused(result, bad)
     assert {path: path.read_bytes() for path in (checkpoint, trace)} == before
+
+
+def _pricing(**changes) -> str:
+    return json.dumps({"machine": CPU.to_dict(), "cores": 2, **changes})
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{", "Expecting"),
+    (_pricing(machine={}), "select"),
+    (_pricing(machine={**CPU.to_dict(), "beta_inter": float("nan")}), "beta_inter"),
+    (_pricing(cores=0), "cores 0"),
+    (_pricing(cores=True), "cores True"),
+    (json.dumps({"machine": CPU.to_dict()}), "cores"),
+])
+def test_what_auto_priced_in_a_checkpoint_is_checked_as_a_resume_takes_it(text, words):
+    """The checksums make a damaged attribute a BadFileError before this;
+    these are well-sealed files whose attribute is not what auto priced."""
+    with pytest.raises(BadFileError, match=f"auto_priced.*{words}"):
+        checkpoint._priced("ck.h5", text)
+    assert checkpoint._priced("ck.h5", _pricing()) == json.loads(_pricing())

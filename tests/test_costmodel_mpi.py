@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 
+import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpi_helpers import assert_all, assert_identical_bits
 from spar_comm import ALGORITHMS, ConfigError, SparCommError, Topology, make_allreducer
-from spar_comm.costmodel import CPU, GPU, auto, probe
+from spar_comm.costmodel import CPU, GPU, auto, gbps_to_beta, probe
 from spar_comm.costmodel.auto import ENV_CALIBRATION
+from spar_comm.training.config import TrainConfig
+from spar_comm.training.loop import train
 
 COMM = MPI.COMM_WORLD
 
@@ -132,3 +135,43 @@ def test_a_calibration_names_the_link_and_nothing_is_timed(tmp_path_factory, mon
     machine, cluster = auto.priced(topo)
     assert_all(COMM, machine == slow and cluster.cores is None, f"priced {machine}, {cluster}")
     topo.free()
+
+
+def _bits(path):
+    """Every dataset of a checkpoint, by name."""
+    found = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.update({name: obj[...]}) if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_resumed_auto_run_chooses_as_the_run_it_resumes(tmp_path_factory, monkeypatch):
+    """The link timed at 10 Mbit/s when the run started and at 1 Tbit/s when
+    it resumed, where auto would choose otherwise: the resumed run prices the
+    figures its checkpoint saved and ends on the bits of the run never stopped."""
+    monkeypatch.delenv(ENV_CALIBRATION, raising=False)
+    folder = COMM.bcast(str(tmp_path_factory.mktemp("auto")) if COMM.rank == 0 else None)
+
+    def timed(gbps):  # a slow link's latency with a slow link, a fast one's with a fast one
+        monkeypatch.setattr(probe, "time_link", lambda round_trip: (1e-4 if gbps < 1 else 1e-6, gbps_to_beta(gbps)))
+
+    common = dict(algorithm="auto", ranks_per_node=1, steps=20, hidden=32, selector="exact", density=0.05,
+                  density_schedule="fixed", trace=None, progress=False)
+    timed(0.01)
+    train(TrainConfig(checkpoint=f"{folder}/full.h5", **common), COMM)
+    train(TrainConfig(checkpoint=f"{folder}/part.h5", stop_after=10, **common), COMM)
+    size = sum(v.size for name, v in _bits(f"{folder}/full.h5").items() if name.startswith("params/"))
+    choices = []
+    for gbps in (0.01, 1000):
+        timed(gbps)
+        topo = Topology(ranks_per_node=1)
+        choices.append(make_allreducer("auto", topo, size, density=0.05, selector="exact").name)
+        topo.free()
+    assert_all(COMM, choices[0] != choices[1], f"auto chose {choices} at both links: the test shows nothing")
+    train(TrainConfig(checkpoint=f"{folder}/part.h5", resume=True, **common), COMM)
+    same = True
+    if COMM.rank == 0:
+        full, part = _bits(f"{folder}/full.h5"), _bits(f"{folder}/part.h5")
+        same = sorted(full) == sorted(part) and all(np.array_equal(full[n], part[n]) for n in full)
+    assert_all(COMM, COMM.bcast(same), "the resumed run differs from the run never stopped")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -63,6 +63,23 @@ def priced(topology: Topology) -> Tuple[Machine, Cluster]:
         cluster = Cluster(nodes, per_node, cores)
         known = _PRICED[topology] = (machine, cluster)
     return known
+
+
+def state(topology: Topology) -> Dict[str, Any]:
+    """What ``priced`` holds for ``topology``, as JSON-able data for a
+    checkpoint (collective on a topology's first call, as ``priced``)."""
+    machine, cluster = priced(topology)
+    return {"machine": machine.to_dict(), "cores": cluster.cores}
+
+
+def adopt(topology: Topology, saved: Mapping[str, Any]) -> None:
+    """Price ``topology`` as ``state`` gave, so that a resumed run chooses as
+    the run it resumes did, whatever the link times now. Every rank must pass
+    the same ``saved``, before ``auto`` first prices ``topology``; raises
+    KeyError, TypeError or ValueError on a malformed one."""
+    cores = saved["cores"]
+    cluster = Cluster(topology.num_nodes, max(topology.node_sizes), None if cores is None else cores)
+    _PRICED[topology] = (Machine.from_dict(saved["machine"]), cluster)
 
 
 def describe(topology: Topology) -> str:

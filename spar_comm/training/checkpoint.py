@@ -1,7 +1,9 @@
 """Checkpoints: one HDF5 file with everything a run needs to continue to the
 same bits: parameters, optimizer state, the residual of every rank, the data
-order, the step, a stateful density schedule's state (Accordion's) and the
-allreducer's shared state (PowerSGD's Q).
+order, the step, a stateful density schedule's state (Accordion's), the
+allreducer's shared state (PowerSGD's Q) and, under ``algorithm="auto"``,
+the figures it priced (so that a resumed run chooses the same allreducers
+however the link times then).
 
 Rank 0 writes a temporary file and renames it over the old one, so a crash
 while saving never loses the previous checkpoint.
@@ -19,6 +21,7 @@ reads its own residual back.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -27,6 +30,7 @@ import array_api_compat
 import numpy as np
 
 from .. import __version__
+from ..costmodel.machine import Machine
 from ..errors import ConfigError
 from ..files import BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify
 from .config import TrainConfig
@@ -43,14 +47,14 @@ OLDER = (f"no checksum: a checkpoint of format 1 (or another program's HDF5 file
 def save_checkpoint(
     path: str, group: Group, config: TrainConfig, step: int, layout: ParamLayout,
     params: Any, velocity: Any, reducer: FusedAllreduce, shards: Shards, local_velocity: Any = None,
-    schedule: Any = None,
+    schedule: Any = None, priced: Optional[dict] = None,
 ) -> None:
     """Write the state after ``step`` steps. Collective over the group.
 
     ``local_velocity`` is the convergence aids' per-rank velocity (aids.py),
     saved for every rank like the residuals. A ``schedule`` with a
     ``state_dict`` (density.py's Accordion) is saved from rank 0: its state
-    is the same on every rank."""
+    is the same on every rank; so is ``priced`` (``costmodel.auto.state``)."""
     span, residual = reducer.residual()
     shared = reducer.shared_state()  # the same on every rank: rank 0's is saved
     # Pickled gather: once per checkpoint, never on the hot path.
@@ -64,6 +68,8 @@ def save_checkpoint(
                 format=FORMAT, version=__version__, step=step, world_size=group.size, config=config.to_json(),
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
             )
+            if priced is not None:
+                f.attrs["auto_priced"] = json.dumps(priced)
             for group_name, flat in (("params", params), ("optimizer/velocity", velocity)):
                 host = to_host(flat)
                 for name, (lo, hi) in layout.offsets.items():
@@ -111,6 +117,7 @@ class Saved:
     local_velocity: Optional[np.ndarray]  # the convergence aids' velocity, where the run had one
     schedule: Optional[dict] = None  # a stateful density schedule's state, where the run had one
     shared: Optional[np.ndarray] = None  # the allreducer's shared state (PowerSGD's Q), where it had one
+    priced: Optional[dict] = None  # what algorithm="auto" priced, where the run used it
 
 
 def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
@@ -164,7 +171,27 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
         if mine[3] in f:
             dataset(f, mine[3], "f", (None,))
             shared = finite(path, mine[3], values[mine[3]])
-        return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local, schedule, shared)
+        priced = _priced(path, attribute(f, "auto_priced", str)) if "auto_priced" in f.attrs else None
+        return Saved(config, step, world, *flats, spans.get(rank, (0, 0)), residual, local, schedule, shared, priced)
+
+
+def _priced(path: str, text: str) -> dict:
+    """The ``auto_priced`` attribute, checked as ``auto.adopt`` will take it."""
+    try:
+        priced = json.loads(text)
+        Machine.from_dict(priced["machine"])
+        cores = priced["cores"]
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+            raise ValueError(f"cores {cores!r}")
+    except (ValueError, KeyError, TypeError) as error:
+        raise BadFileError(path, f"attribute 'auto_priced' is not what algorithm='auto' priced ({error})") from None
+    return priced
+
+
+def saved_pricing(path: str, group: Group, layout: ParamLayout) -> Optional[dict]:
+    """What ``auto`` priced in the run that wrote ``path`` (None if it did not
+    use it). Collective; a bad file is refused on every rank alike."""
+    return agree(group.comm, lambda: read_checkpoint(path, group.rank, layout)).priced
 
 
 def load_checkpoint(

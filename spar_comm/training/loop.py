@@ -17,13 +17,15 @@ from mpi4py import MPI
 from tqdm import tqdm
 
 from .. import __version__
+from ..collectives import AUTO
 from ..consensus import raise_if_any
+from ..costmodel import auto
 from ..errors import ConfigError
 from ..files import BadFileError
 from ..topology import Topology
 from .aids import LocalAids, ScheduledAllreduce
 from .density import make_schedule
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint, saved_pricing
 from .config import TrainConfig
 from .control import StopControl
 from .data import Dataset, Shards, dataset_problem, load_dataset
@@ -126,8 +128,13 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     options = dict(values=config.values, indices=config.indices)
     if config.algorithm == "powersgd":  # rank r over the model's own matrices
         options.update(rank=config.rank, shapes=[model.layout.shapes[name] for name in model.layout.names])
+    if config.algorithm == AUTO and config.resume:  # choose as the run it resumes did, whatever the link times now
+        saved = saved_pricing(config.checkpoint, group, model.layout)
+        if saved is not None:
+            auto.adopt(topology, saved)
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
                                    options)
+    priced = auto.state(topology) if config.algorithm == AUTO else None  # for the checkpoints
     aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
 
@@ -138,7 +145,10 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
                                 local_velocity=aids.velocity, schedule=density)
     else:
         group.broadcast(params, xp)
-    method = f"{config.algorithm}/{config.selector} density {config.density:g}" if allreduce.sparse else config.algorithm
+    name = config.algorithm
+    if name == AUTO:  # what it chose, and the cluster it priced
+        name = f"auto: {allreduce.algorithm} ({auto.describe(topology)})"
+    method = f"{name}/{config.selector} density {config.density:g}" if allreduce.sparse else name
     if config.algorithm == "powersgd":
         method += f" rank {config.rank}"
     if allreduce.sparse:  # say what the schedule sends beside --density
@@ -206,7 +216,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total and not reason:
             recorder.flush()  # the trace then holds every step the checkpoint covers
             save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
-                                local_velocity=aids.velocity, schedule=density)
+                                local_velocity=aids.velocity, schedule=density, priced=priced)
     wall = time.perf_counter() - began
     recorder.flush()
     bar.close()
@@ -217,7 +227,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         accuracy = evaluate(model, params, data, group, xp, device)
     if config.checkpoint:
         save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
-                            local_velocity=aids.velocity, schedule=density)
+                            local_velocity=aids.velocity, schedule=density, priced=priced)
     if writer:
         writer.close()
     summary = None
