@@ -15,7 +15,9 @@ import spar_comm.torch as sct  # noqa: E402
 from spar_comm.torch.streams import tensor_device  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from reference import Reference, reproducible  # noqa: E402
-from spar_comm import ConfigError, NonFiniteGradientError  # noqa: E402
+from spar_comm import ConfigError, NonFiniteGradientError, Topology  # noqa: E402
+from spar_comm.costmodel import gbps_to_beta, probe  # noqa: E402
+from spar_comm.costmodel.auto import ENV_CALIBRATION  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
@@ -297,6 +299,33 @@ def test_state_of_another_layout_is_refused_on_every_rank(topology):
         opt.load_state_dict(state)
     with pytest.raises(ConfigError, match="no spar_comm entry"):
         opt.load_state_dict(torch.optim.SGD(net.parameters(), lr=0.1).state_dict())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_auto_state_of_a_job_that_chose_otherwise_is_refused_naming_the_choice(monkeypatch):
+    """auto times the link at the start: a job that timed 1 Tbit/s where the
+    saved one timed 10 Mbit/s chooses other allreducers, and is told so on
+    every rank; a job that chose alike takes the state."""
+    monkeypatch.delenv(ENV_CALIBRATION, raising=False)
+
+    def job(gbps):
+        monkeypatch.setattr(probe, "time_link", lambda round_trip: (1e-4 if gbps < 1 else 1e-6, gbps_to_beta(gbps)))
+        topology = Topology(ranks_per_node=1)
+        net = small_net()
+        opt = sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                       topology=topology, algorithm="auto", density=0.1, bucket_cap_mb=0.001)
+        return net, opt
+
+    net, slow = job(0.01)
+    train_steps(net, slow, range(2))
+    state = slow.state_dict()
+    _, fast = job(1000)
+    chosen = [[b.reducer.name for b in opt.buckets] for opt in (slow, fast)]
+    assert_all(COMM, chosen[0] != chosen[1], f"auto chose {chosen} at both links: the test shows nothing")
+    with pytest.raises(ConfigError, match="algorithm='auto' chose .* in the saved job"):
+        fast.load_state_dict(state)
+    _, again = job(0.01)
+    again.load_state_dict(state)
 
 
 @pytest.mark.mpi(min_size=2)

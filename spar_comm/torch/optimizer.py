@@ -41,7 +41,7 @@ import torch
 from mpi4py import MPI
 
 from .. import waiting
-from ..collectives import make_allreducer
+from ..collectives import AUTO, make_allreducer
 from ..consensus import raise_if_any
 from ..device import device_index
 from ..errors import ConfigError, SparCommError
@@ -123,6 +123,7 @@ class _DistributedOptimizer:
                     options: Dict[str, Any]) -> None:
         self.topology = topology
         self._streams = streams_for(topology.memory)
+        self._auto = algorithm == AUTO
         world = self.topology.world
         self.backward_passes_per_step = backward_passes_per_step
         planned = _bucket_entries(named, dense, bucket_cap_mb)
@@ -290,6 +291,7 @@ class _DistributedOptimizer:
             "format": STATE_FORMAT,
             "world_size": self._comm.size,
             "buckets": [b.signature() for b in self.buckets],
+            "algorithms": [b.reducer.name for b in self.buckets],
             "residuals": [[(tuple(span), torch.from_numpy(values)) for span, values in ranks] for ranks in everyone],
         }
         return state
@@ -301,6 +303,8 @@ class _DistributedOptimizer:
         self._refuse_in_flight("load_state_dict()")
         saved = state_dict.get("spar_comm")
         problem = _state_problem(saved, self._comm.size, [b.signature() for b in self.buckets])
+        if problem is None and self._auto:
+            problem = _choice_problem(saved.get("algorithms"), [b.reducer.name for b in self.buckets])
         raise_if_any(self._comm, problem)
         try:
             super().load_state_dict({k: v for k, v in state_dict.items() if k != "spar_comm"})
@@ -543,6 +547,17 @@ def _state_problem(saved: Any, world_size: int, signature: List) -> Optional[str
             return f"the state_dict has {len(theirs)} gradient buckets; this optimizer has {len(signature)}"
         return f"the state_dict's gradient buckets differ: {_first_difference(_flat(signature), _flat(theirs))}"
     return _residuals_problem(saved.get("residuals"), world_size, len(signature))
+
+
+def _choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
+    """Under ``algorithm="auto"``: other allreducers than the saved job's
+    cannot take its residuals as they are (a state saved before the
+    algorithms were kept is taken as before)."""
+    if saved is None or list(saved) == mine:
+        return None
+    return (f"algorithm='auto' chose {mine} for the buckets here and {list(saved)} in the saved job (it prices "
+            "the link between nodes as it times it at the start): name the saved job's algorithm, or give both "
+            "jobs the same figures with SPAR_COMM_CALIBRATION")
 
 
 def _residuals_problem(residuals: Any, world_size: int, buckets: int) -> Optional[str]:
