@@ -326,6 +326,9 @@ def test_an_auto_state_of_a_job_that_chose_otherwise_is_refused_naming_the_choic
         fast.load_state_dict(state)
     _, again = job(0.01)
     again.load_state_dict(state)
+    state["spar_comm"]["algorithms"] = 7 if COMM.rank == COMM.size - 1 else state["spar_comm"]["algorithms"]
+    with pytest.raises(ConfigError, match="algorithms are not"):  # one rank's bad copy: a verdict on every rank
+        again.load_state_dict(state)
 
 
 @pytest.mark.mpi(min_size=2)

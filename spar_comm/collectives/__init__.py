@@ -73,6 +73,7 @@ def make_allreducer(
         from ..costmodel.auto import choose  # the cost model builds on this package
 
         algorithm = choose(topology, size, dtype, density, selector, values=values, indices=indices)
+        require_same(topology.world, "auto's choice", {"algorithm": algorithm})  # never two allreducers at once
     cls = ALGORITHMS[algorithm]
     return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer,
                values, indices, options)

@@ -553,11 +553,15 @@ def _choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
     """Under ``algorithm="auto"``: other allreducers than the saved job's
     cannot take its residuals as they are (a state saved before the
     algorithms were kept is taken as before)."""
-    if saved is None or list(saved) == mine:
+    if saved is None:
         return None
-    return (f"algorithm='auto' chose {mine} for the buckets here and {list(saved)} in the saved job (it prices "
-            "the link between nodes as it times it at the start): name the saved job's algorithm, or give both "
-            "jobs the same figures with SPAR_COMM_CALIBRATION")
+    if not isinstance(saved, list) or len(saved) != len(mine) or not all(isinstance(a, str) for a in saved):
+        return f"the state_dict's algorithms are not {len(mine)} names, one a bucket"
+    if saved == mine:
+        return None
+    return (f"algorithm='auto' chose {mine} for the buckets here and {saved} in the saved job (it prices the "
+            "link between nodes as it times it at the start): give both jobs the same figures with "
+            "SPAR_COMM_CALIBRATION, or name the algorithm the saved job chose")
 
 
 def _residuals_problem(residuals: Any, world_size: int, buckets: int) -> Optional[str]:

@@ -183,15 +183,16 @@ def _priced(path: str, text: str) -> dict:
         cores = priced["cores"]
         if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
             raise ValueError(f"cores {cores!r}")
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise BadFileError(path, f"attribute 'auto_priced' is not what algorithm='auto' priced ({error})") from None
     return priced
 
 
 def saved_pricing(path: str, group: Group, layout: ParamLayout) -> Optional[dict]:
     """What ``auto`` priced in the run that wrote ``path`` (None if it did not
-    use it). Collective; a bad file is refused on every rank alike."""
-    return agree(group.comm, lambda: read_checkpoint(path, group.rank, layout)).priced
+    use it), rank 0's on every rank. Collective; a bad file is refused on
+    every rank alike."""
+    return group.comm.bcast(agree(group.comm, lambda: read_checkpoint(path, group.rank, layout)).priced, root=0)
 
 
 def load_checkpoint(
