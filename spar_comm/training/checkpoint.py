@@ -20,6 +20,7 @@ reads its own residual back.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -188,27 +189,26 @@ def _priced(path: str, text: str) -> dict:
     return priced
 
 
-def saved_pricing(path: str, group: Group, layout: ParamLayout) -> Optional[dict]:
-    """What ``auto`` priced in the run that wrote ``path`` (None if it did not
-    use it), rank 0's on every rank. Collective; a bad file is refused on
+def read_saved(path: str, group: Group, layout: ParamLayout) -> Saved:
+    """``read_checkpoint`` on every rank, with rank 0's ``priced`` on every
+    rank (so that all choose alike). Collective; a bad file is refused on
     every rank alike."""
-    return group.comm.bcast(agree(group.comm, lambda: read_checkpoint(path, group.rank, layout)).priced, root=0)
+    saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
+    return dataclasses.replace(saved, priced=group.comm.bcast(saved.priced, root=0))
 
 
 def load_checkpoint(
-    path: str, group: Group, config: TrainConfig, layout: ParamLayout,
+    saved: Saved, path: str, group: Group, config: TrainConfig,
     params: Any, velocity: Any, reducer: FusedAllreduce, xp: Any, local_velocity: Any = None, schedule: Any = None,
 ) -> int:
-    """Restore the state in place; return the step to continue from.
+    """Restore ``saved`` (``read_saved`` of ``path``) in place; return the
+    step to continue from.
 
-    Collective. Every rank reads and checks the file before anything is
-    restored; a bad file (BadFileError) or a checkpoint of other settings
-    (ConfigError) is refused alike on every rank, and nothing is changed.
-    ``local_velocity`` receives the convergence aids' velocity (momentum
-    correction), which the checkpoint must then hold; so must it a stateful
-    ``schedule``'s state.
+    Collective. A checkpoint of other settings (ConfigError) is refused alike
+    on every rank, and nothing is changed. ``local_velocity`` receives the
+    convergence aids' velocity (momentum correction), which the checkpoint
+    must then hold; so must it a stateful ``schedule``'s state.
     """
-    saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
     changed = config.differences(saved.config)
     if changed:
         detail = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items()))

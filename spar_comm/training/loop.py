@@ -25,7 +25,7 @@ from ..files import BadFileError
 from ..topology import Topology
 from .aids import LocalAids, ScheduledAllreduce
 from .density import make_schedule
-from .checkpoint import load_checkpoint, save_checkpoint, saved_pricing
+from .checkpoint import load_checkpoint, read_saved, save_checkpoint
 from .config import TrainConfig
 from .control import StopControl
 from .data import Dataset, Shards, dataset_problem, load_dataset
@@ -128,10 +128,9 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     options = dict(values=config.values, indices=config.indices)
     if config.algorithm == "powersgd":  # rank r over the model's own matrices
         options.update(rank=config.rank, shapes=[model.layout.shapes[name] for name in model.layout.names])
-    if config.algorithm == AUTO and config.resume:  # choose as the run it resumes did, whatever the link times now
-        saved = saved_pricing(config.checkpoint, group, model.layout)
-        if saved is not None:
-            auto.adopt(topology, saved)
+    saved = read_saved(config.checkpoint, group, model.layout) if config.resume else None  # checked whole, once
+    if config.algorithm == AUTO and saved is not None and saved.priced is not None:
+        auto.adopt(topology, saved.priced)  # choose as the run it resumes did, whatever the link times now
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
                                    options)
     priced = auto.state(topology) if config.algorithm == AUTO else None  # for the checkpoints
@@ -140,8 +139,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
 
     # -- a fresh start (rank 0's weights everywhere) or a resume ------------------------
     start = 0
-    if config.resume:
-        start = load_checkpoint(config.checkpoint, group, config, model.layout, params, optimizer.velocity, allreduce, xp,
+    if saved is not None:
+        start = load_checkpoint(saved, config.checkpoint, group, config, params, optimizer.velocity, allreduce, xp,
                                 local_velocity=aids.velocity, schedule=density)
     else:
         group.broadcast(params, xp)
