@@ -72,14 +72,22 @@ def state(topology: Topology) -> Dict[str, Any]:
     return {"machine": machine.to_dict(), "cores": cluster.cores}
 
 
+def from_state(saved: Mapping[str, Any]) -> Tuple[Machine, Optional[int]]:
+    """The figures and cores that ``state`` gave; KeyError, TypeError or
+    ValueError on a malformed ``saved``."""
+    cores = saved["cores"]
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"cores {cores!r}")
+    return Machine.from_dict(saved["machine"]), cores
+
+
 def adopt(topology: Topology, saved: Mapping[str, Any]) -> None:
     """Price ``topology`` as ``state`` gave, so that a resumed run chooses as
     the run it resumes did, whatever the link times now. Every rank must pass
-    the same ``saved``, before ``auto`` first prices ``topology``; raises
-    KeyError, TypeError or ValueError on a malformed one."""
-    cores = saved["cores"]
-    cluster = Cluster(topology.num_nodes, max(topology.node_sizes), None if cores is None else cores)
-    _PRICED[topology] = (Machine.from_dict(saved["machine"]), cluster)
+    the same ``saved`` (checked by ``from_state``), before ``auto`` first
+    prices ``topology``."""
+    machine, cores = from_state(saved)
+    _PRICED[topology] = (machine, Cluster(topology.num_nodes, max(topology.node_sizes), cores))
 
 
 def describe(topology: Topology) -> str:

@@ -31,7 +31,7 @@ import array_api_compat
 import numpy as np
 
 from .. import __version__
-from ..costmodel.machine import Machine
+from ..costmodel import auto
 from ..errors import ConfigError
 from ..files import BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify
 from .config import TrainConfig
@@ -180,10 +180,7 @@ def _priced(path: str, text: str) -> dict:
     """The ``auto_priced`` attribute, checked as ``auto.adopt`` will take it."""
     try:
         priced = json.loads(text)
-        Machine.from_dict(priced["machine"])
-        cores = priced["cores"]
-        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
-            raise ValueError(f"cores {cores!r}")
+        auto.from_state(priced)
     except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise BadFileError(path, f"attribute 'auto_priced' is not what algorithm='auto' priced ({error})") from None
     return priced
