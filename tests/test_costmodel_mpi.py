@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from mpi_helpers import assert_all, assert_identical_bits
+from test_train_runs import datasets
 from spar_comm import ALGORITHMS, ConfigError, SparCommError, Topology, make_allreducer
 from spar_comm.costmodel import CPU, GPU, auto, gbps_to_beta, probe
 from spar_comm.costmodel.auto import ENV_CALIBRATION
@@ -137,14 +138,6 @@ def test_a_calibration_names_the_link_and_nothing_is_timed(tmp_path_factory, mon
     topo.free()
 
 
-def _bits(path):
-    """Every dataset of a checkpoint, by name."""
-    found = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: found.update({name: obj[...]}) if isinstance(obj, h5py.Dataset) else None)
-    return found
-
-
 @pytest.mark.mpi(min_size=2)
 def test_a_resumed_auto_run_chooses_as_the_run_it_resumes(tmp_path_factory, monkeypatch):
     """The link timed at 10 Mbit/s when the run started and at 1 Tbit/s when
@@ -161,7 +154,7 @@ def test_a_resumed_auto_run_chooses_as_the_run_it_resumes(tmp_path_factory, monk
     timed(0.01)
     train(TrainConfig(checkpoint=f"{folder}/full.h5", **common), COMM)
     train(TrainConfig(checkpoint=f"{folder}/part.h5", stop_after=10, **common), COMM)
-    size = sum(v.size for name, v in _bits(f"{folder}/full.h5").items() if name.startswith("params/"))
+    size = sum(v.size for name, v in datasets(f"{folder}/full.h5").items() if name.startswith("params/"))
     choices = []
     for gbps in (0.01, 1000):
         timed(gbps)
@@ -172,7 +165,7 @@ def test_a_resumed_auto_run_chooses_as_the_run_it_resumes(tmp_path_factory, monk
     train(TrainConfig(checkpoint=f"{folder}/part.h5", resume=True, **common), COMM)
     same = True
     if COMM.rank == 0:
-        full, part = _bits(f"{folder}/full.h5"), _bits(f"{folder}/part.h5")
+        full, part = datasets(f"{folder}/full.h5"), datasets(f"{folder}/part.h5")
         same = sorted(full) == sorted(part) and all(np.array_equal(full[n], part[n]) for n in full)
         with h5py.File(f"{folder}/full.h5", "r") as a, h5py.File(f"{folder}/part.h5", "r") as b:
             same = same and a.attrs["auto_priced"] == b.attrs["auto_priced"]  # the 10 Mbit/s, kept through the resume
