@@ -421,3 +421,20 @@ def test_powersgd_compresses_each_layer_and_keeps_every_rank_alike(topology):
     after = loss()
     assert_all(COMM, after < before, f"loss {before:.4f} -> {after:.4f}")
     assert_identical_bits(COMM, torch.cat([p.detach().flatten() for p in net.parameters()]).numpy(), "parameters")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_launcher_whose_ranks_are_not_mpis_is_refused_on_every_rank(monkeypatch):
+    model = Controlled()
+    monkeypatch.setenv("WORLD_SIZE", str(COMM.size))
+    monkeypatch.setenv("RANK", str(COMM.size - 1 - COMM.rank))  # the same processes in another order: taken
+    sct.broadcast_parameters(model)
+    monkeypatch.setenv("RANK", "0")  # every process says it is rank 0
+    try:
+        sct.broadcast_parameters(model)
+        problem = "no error"
+    except ConfigError as error:
+        problem = str(error)
+    expected = ("spar_comm.torch.broadcast_parameters: MPI's world and the torch job hold different processes "
+                "(MPI rank 0 is torch rank 0, MPI rank 1 is torch rank 0")
+    assert_all(COMM, problem.startswith(expected), problem)

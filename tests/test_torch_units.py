@@ -1,5 +1,6 @@
 """spar_comm.torch's pieces that need no MPI job: where parameters must be for
-a topology's memory, and the stream layer chosen for it."""
+a topology's memory, the stream layer chosen for it, and the torch job's world
+checked against MPI's (this process's MPI world has one rank)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,9 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import spar_comm.torch as sct  # noqa: E402
+from spar_comm import ConfigError  # noqa: E402
 from spar_comm.memory import HOST  # noqa: E402
 from spar_comm.torch.optimizer import _device_problem  # noqa: E402
 from spar_comm.torch.streams import NoStreams, streams_for, tensor_device  # noqa: E402
+from spar_comm.torch.world import rank_problem  # noqa: E402
 
 GPU0 = SimpleNamespace(name="gpu", index=0)
 SIMULATED = SimpleNamespace(name="gpu-simulator", index=0)
@@ -42,3 +46,34 @@ def test_only_a_real_gpu_has_streams():
         with streams.communicating([None]):
             pass
     assert tensor_device(GPU0) == torch.device("cuda", 0)
+
+
+def test_a_launchers_world_size_that_is_not_mpis_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    both = r"MPI's world of 1 rank, but this torch job has 3 \(WORLD_SIZE=3, as torchrun sets it\)"
+    for call in (sct.rank, sct.size, sct.init_process_group):
+        with pytest.raises(ConfigError, match=both):
+            call()
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_launchers_world_size_that_is_mpis_is_taken(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert (sct.rank(), sct.size()) == (0, 1)
+
+
+def test_a_world_size_that_is_no_number_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE='four' \(RANK=''\), not an integer"):
+        sct.size()
+
+
+@pytest.mark.parametrize("ranks, fine", [([None, None], True), ([0, 1], True), ([2, 0, 1], True),
+                                         ([0, 0], False), ([0, None], False), ([1, 2], False)])
+def test_mpis_ranks_must_be_the_torch_ranks_once_each(ranks, fine):
+    problem = rank_problem(ranks)
+    assert (problem is None) == fine, problem
+    if not fine:
+        assert problem.startswith("MPI's world and the torch job hold different processes (MPI rank 0 is torch rank")

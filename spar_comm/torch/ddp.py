@@ -40,6 +40,7 @@ from ..errors import SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .streams import NoStreams, as_array, as_tensor, streams_for
+from .world import require_job_world
 
 #: ``HookState.state_dict()["format"]``: bumped when the layout changes.
 HOOK_STATE_FORMAT = 1
@@ -306,6 +307,10 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
     buckets, else on the CPU. ``values``, ``indices`` and ``options`` (the
     algorithm's own, as ``powersgd``'s ``rank``) go to ``make_allreducer``;
     ``powersgd`` gets the bucket's tensor shapes too. Register it before the
-    first backward."""
+    first backward. Collective over the topology's world (MPI's when none is
+    given): one that is not the torch job's (``world.py``) raises ConfigError
+    here, on every rank, and not inside backward, where DDP would not recover.
+    """
+    require_job_world(MPI.COMM_WORLD if topology is None else topology.world, "spar_comm.torch.comm_hook")
     settings = {"values": values, "indices": indices, **options}
     return HookState(algorithm, density, selector, topology, error_feedback, settings), _hook

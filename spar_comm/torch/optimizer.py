@@ -48,6 +48,7 @@ from ..errors import ConfigError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
+from .world import check_size, require_job_world
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "local_device", "rank",
            "size"]
@@ -321,12 +322,16 @@ class _DistributedOptimizer:
 
 
 def rank() -> int:
-    """This process's rank in MPI.COMM_WORLD (for a sampler, or to print once)."""
+    """This process's rank in MPI.COMM_WORLD (for a sampler, or to print once).
+    ConfigError where that world is not the torch job's (``world.py``)."""
+    check_size(MPI.COMM_WORLD, "spar_comm.torch.rank()")
     return MPI.COMM_WORLD.rank
 
 
 def size() -> int:
-    """The number of ranks in MPI.COMM_WORLD."""
+    """The number of ranks in MPI.COMM_WORLD; ConfigError where that world is
+    not the torch job's (``world.py``)."""
+    check_size(MPI.COMM_WORLD, "spar_comm.torch.size()")
     return MPI.COMM_WORLD.size
 
 
@@ -334,6 +339,7 @@ def local_device() -> torch.device:
     """This rank's GPU as the GPU path picks it (its place among the ranks of
     its host, modulo the device count), or the CPU when CUDA is not available.
     Collective over MPI.COMM_WORLD."""
+    require_job_world(MPI.COMM_WORLD, "spar_comm.torch.local_device()")
     if not torch.cuda.is_available():
         return torch.device("cpu")
     host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.rank)
@@ -373,9 +379,11 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     ``make_allreducer``; the ``dense`` buckets take ``values`` only.
     The returned object is an instance of the optimizer's own class (so LR
     schedulers accept it) sharing its parameter groups and state; use it
-    instead of ``optimizer`` from now on. Bad or disagreeing settings raise
-    ConfigError on every rank.
+    instead of ``optimizer`` from now on. Bad or disagreeing settings, or an
+    MPI world that is not the torch job's (``world.py``), raise ConfigError on
+    every rank.
     """
+    require_job_world(MPI.COMM_WORLD if topology is None else topology.world, "spar_comm.torch.DistributedOptimizer")
     named, problem = _named_parameters(optimizer, named_parameters)
     if problem is None:
         problem = _settings_problem(named, dense, bucket_cap_mb, backward_passes_per_step)
@@ -397,6 +405,7 @@ def broadcast_parameters(module: Any, root: int = 0, comm: Optional[MPI.Comm] = 
     rank whose tensors differ in name, shape or dtype from root's gets
     ConfigError on every rank, before anything is overwritten."""
     comm = comm or MPI.COMM_WORLD
+    require_job_world(comm, "spar_comm.torch.broadcast_parameters")
     named = list(module.state_dict().items()) if isinstance(module, torch.nn.Module) else list(module)
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
     reference = comm.bcast(layout, root=root)
@@ -417,6 +426,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
     """Give every rank ``root``'s optimizer state and hyper-parameters (the
     wrapped optimizer's own; residuals stay each rank's). Collective."""
     comm = comm or MPI.COMM_WORLD
+    require_job_world(comm, "spar_comm.torch.broadcast_optimizer_state")
     own = torch.optim.Optimizer.state_dict(optimizer) if comm.rank == root else None
     state = comm.bcast(own, root=root)  # pickled: once, at start-up
     problem = None

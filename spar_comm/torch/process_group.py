@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..consensus import raise_if_any, require_same
+from .world import require_job_world
 
 #: Linux's ioctl for an interface's IPv4 address (<linux/sockios.h>).
 _SIOCGIFADDR = 0x8915
@@ -82,12 +83,14 @@ def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Comm] = None
                        timeout: Optional[timedelta] = None, **options: Any) -> None:
     """``torch.distributed.init_process_group`` over the ranks of ``comm``
     (default MPI.COMM_WORLD), rank for rank. Collective; a rank that cannot
-    (torch.distributed already started, rank 0 without an address) gives
+    (torch.distributed already started, a launcher's WORLD_SIZE that is not
+    ``comm``'s, rank 0 without an address) gives
     ConfigError on every rank. ``options`` go to torch as they are."""
     comm = comm or MPI.COMM_WORLD
     require_same(comm, "process group", {"backend": backend})
     problem = "torch.distributed is already initialised" if dist.is_initialized() else None
     raise_if_any(comm, problem)
+    require_job_world(comm, "spar_comm.torch.init_process_group")  # under torchrun: one world per process
     one_host = on_one_host(comm)
     if one_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

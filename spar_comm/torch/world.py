@@ -1,0 +1,86 @@
+"""The torch job's ranks, checked against the MPI communicator spar_comm works over.
+
+Under ``torchrun`` every process's MPI world is a world of one, with no error
+from MPI. A hook or an optimizer that reduced over it would leave each replica
+its own gradient, and the replicas would drift apart without a word. So every
+way into ``spar_comm.torch`` first asks whether the communicator holds the
+job's ranks, as the job declares them: ``torch.distributed``'s default group
+when it is initialised, and ``WORLD_SIZE``/``RANK`` when a launcher set them
+(torchrun does; ``mpiexec`` does not). A job that declares neither is an MPI
+job, and MPI's world is its world.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ..consensus import raise_if_any
+from ..errors import ConfigError
+
+#: (ranks, this process's rank or None, what says so), one entry a source.
+Declared = Tuple[int, Optional[int], str]
+
+
+def declared_worlds() -> List[Declared]:
+    """What this process was told of the job's ranks: by torch.distributed's
+    default group, and by the launcher's WORLD_SIZE and RANK."""
+    worlds: List[Declared] = []
+    if dist.is_available() and dist.is_initialized():
+        worlds.append((dist.get_world_size(), dist.get_rank(), "torch.distributed's default group"))
+    text = os.environ.get("WORLD_SIZE", "").strip()
+    if text:
+        rank = os.environ.get("RANK", "").strip()
+        try:
+            worlds.append((int(text), int(rank) if rank else None, f"WORLD_SIZE={text}, as torchrun sets it"))
+        except ValueError:
+            worlds.append((-1, None, f"WORLD_SIZE={text!r} (RANK={rank!r}), not an integer"))
+    return worlds
+
+
+def size_problem(comm: MPI.Comm, what: str) -> Optional[str]:
+    """Why ``comm`` is not the job's world by its size alone, or None. Local:
+    every process of a job sees the same sizes."""
+    for ranks, _, source in declared_worlds():
+        if ranks != comm.size:
+            plural = "rank" if comm.size == 1 else "ranks"
+            return (f"{what} would work over MPI's world of {comm.size} {plural}, but this torch job has "
+                    f"{ranks} ({source}): the ranks would not share their gradients. spar_comm.torch works over "
+                    f"MPI: launch the script with `mpiexec -n {ranks if ranks > 0 else 'N'} python ...` and start "
+                    "torch.distributed from it with spar_comm.torch.init_process_group()")
+    return None
+
+
+def rank_problem(everyone: List[Optional[int]]) -> Optional[str]:
+    """Why the torch ranks gathered over a communicator (``everyone[r]``: its
+    rank r's torch rank, None where none is declared) are not its ranks once
+    each, or None."""
+    if all(r is None for r in everyone):
+        return None
+    if None not in everyone and sorted(everyone) == list(range(len(everyone))):
+        return None
+    pairs = ", ".join(f"MPI rank {m} is torch rank {t}" for m, t in enumerate(everyone))
+    return f"MPI's world and the torch job hold different processes ({pairs})"
+
+
+def require_job_world(comm: MPI.Comm, what: str) -> None:
+    """ConfigError on every rank of ``comm`` unless it holds exactly the torch
+    job's ranks (see the module's docstring). Collective over ``comm``."""
+    problem = size_problem(comm, what)
+    mine = sorted({r for _, r, _ in declared_worlds() if r is not None})
+    if problem is None and len(mine) > 1:
+        problem = f"{what}: this process has two torch ranks, {mine[0]} and {mine[1]} (RANK and the default group)"
+    raise_if_any(comm, problem)
+    if comm.size > 1:
+        problem = rank_problem(comm.allgather(mine[0] if mine else None))
+        if problem is not None:  # computed from the same gathered list on every rank
+            raise ConfigError(f"{what}: {problem}")
+
+
+def check_size(comm: MPI.Comm, what: str) -> None:
+    """ConfigError unless ``comm``'s size is the torch job's (local, for calls that must not be collective)."""
+    problem = size_problem(comm, what)
+    if problem is not None:
+        raise ConfigError(problem)

@@ -1,0 +1,59 @@
+"""Run by ``tests/test_torchrun.py`` under torchrun: every way into
+spar_comm.torch, called as a user's script would, each result printed as one
+line, ``rank R: NAME: OUTCOME``. ``--init`` starts torch.distributed (gloo)
+first. Where a call goes on instead of refusing, the script goes on too, as a
+user's would, and prints what the ranks ended up holding after a DDP step."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import spar_comm.torch as sct
+from spar_comm import ConfigError
+
+RANK = int(os.environ["RANK"])
+
+
+def attempt(name: str, call: Callable[[], object]) -> object:
+    try:
+        result = call()
+    except ConfigError as error:
+        print(f"rank {RANK}: {name}: ConfigError: {error}", flush=True)
+        return None
+    print(f"rank {RANK}: {name}: ran", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--init", action="store_true", help="torch.distributed.init_process_group('gloo') first")
+    args = parser.parse_args()
+    if args.init:
+        dist.init_process_group("gloo")
+    torch.manual_seed(RANK)  # a different model and batch on every rank, as before a broadcast
+    model = torch.nn.Linear(6, 1, dtype=torch.float64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    attempt("rank", sct.rank)
+    attempt("size", sct.size)
+    attempt("local_device", sct.local_device)
+    attempt("init_process_group", sct.init_process_group)
+    attempt("broadcast_parameters", lambda: sct.broadcast_parameters(model))
+    attempt("broadcast_optimizer_state", lambda: sct.broadcast_optimizer_state(optimizer))
+    attempt("DistributedOptimizer", lambda: sct.DistributedOptimizer(optimizer, model.named_parameters(),
+                                                                      algorithm="dense", density=1.0))
+    made = attempt("comm_hook", lambda: sct.comm_hook("dense", density=1.0))
+    if made is not None and dist.is_initialized():
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(*made)
+        ddp(torch.full((1, 6), float(RANK + 1), dtype=torch.float64)).sum().backward()
+        print(f"rank {RANK}: gradient: {model.weight.grad.sum().item()!r}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
