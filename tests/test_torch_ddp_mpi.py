@@ -15,7 +15,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import spar_comm.torch as sct  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
-from spar_comm import ConfigError, Topology  # noqa: E402
+from spar_comm import ConfigError, NonFiniteGradientError, Topology  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -268,13 +268,80 @@ def test_a_bucket_that_differs_between_ranks_is_refused_on_every_rank(topology):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_nan_on_one_rank_is_an_error_on_every_rank(topology):
-    ddp, _ = hooked(Chosen(), "hitopk", density=0.1, topology=topology)
-    grads = chosen_grads(2, 0)[COMM.rank]
+def test_a_nan_on_one_rank_is_a_nan_bucket_on_every_rank(topology):
+    model = Chosen()
+    ddp, state = hooked(model, "hitopk", density=0.1, topology=topology)
+    ddp(chosen_grads(2, 0)[COMM.rank]).backward()
+    kept = state.residuals()
+    grads = chosen_grads(2, 1)[COMM.rank]
     if COMM.rank == COMM.size - 1:
         grads[1][3] = np.nan
-    with pytest.raises(Exception, match=f"rank {COMM.size - 1}: non-finite"):
+    ddp.zero_grad()
+    ddp(grads).backward()
+    nan = [bool(torch.isnan(p.grad).all()) for p in model.ps]
+    assert_all(COMM, nan[1] and not all(nan), f"NaN gradients: {nan}")  # the bucket of parameter 1, not all
+    poisoned = state._coordinates[id(model.ps[1])]
+    assert_all(COMM, np.array_equal(kept[poisoned], state.residuals()[poisoned]), "the NaN bucket's residual changed")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_nan_raised_out_of_backward_leaves_ddp_usable(topology):
+    """non_finite="raise": NonFiniteGradientError itself out of backward() on
+    every rank, after DDP finished its iteration, so the next one runs."""
+    ddp, _ = hooked(Chosen(), "dense", density=1.0, topology=topology, settings={"non_finite": "raise"})
+    for step in range(3):
+        grads = chosen_grads(2, step)[COMM.rank]
+        if step == 1 and COMM.rank == COMM.size - 1:
+            grads[1][3] = np.nan
+        ddp.zero_grad()
+        if step == 1:
+            with pytest.raises(NonFiniteGradientError, match=f"rank {COMM.size - 1}: non-finite values"):
+                ddp(grads).backward()
+            continue
         ddp(grads).backward()
+        mean = [sum(g[i] for g in chosen_grads(2, step)) / COMM.size for i in range(len(SHAPES))]
+        assert_all(COMM, all(np.array_equal(p.grad.numpy(), m.numpy().reshape(p.shape))
+                             for p, m in zip(ddp.module.ps, mean)), f"step {step}: not the mean")
+
+
+AMP_CASES = [("dense", {}), ("topka", {}), ("hitopk", {}), ("hitopk", {"values": "int8"})]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm, settings", AMP_CASES, ids=["dense", "topka", "hitopk", "hitopk-int8"])
+def test_an_overflow_on_one_rank_is_skipped_by_grad_scaler_on_every_rank(topology, algorithm, settings):
+    """Steps 0, an overflow on the last rank, 2, against steps 0 and 2 alone:
+    the overflow halves the scale on every rank and changes no parameter and
+    no residual, and the run goes on to the bits of the run without it."""
+    runs = []
+    for steps in ([0, "overflow", 2], [0, 2]):
+        model = Chosen()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        ddp, state = hooked(model, algorithm, density=0.1, topology=topology,
+                            settings={"grad_scaler": scaler, **settings})
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        for step in steps:
+            grads = chosen_grads(21, 1 if step == "overflow" else step)[COMM.rank]
+            if step == "overflow":
+                before = flat(model.ps).copy(), state.residuals(), scaler.get_scale()
+                if COMM.rank == COMM.size - 1:
+                    grads[2][3] = np.inf
+            opt.zero_grad()
+            scaler.scale(ddp(grads)).backward()
+            scaler.step(opt)
+            scaler.update()
+            if step == "overflow":
+                now = state.residuals()
+                assert_all(COMM, scaler.get_scale() == before[2] / 2, f"scale {scaler.get_scale()}")
+                assert_all(COMM, np.array_equal(flat(model.ps), before[0]), "the skipped step moved a parameter")
+                assert_all(COMM, before[1].keys() == now.keys()
+                           and all(np.array_equal(before[1][c], now[c]) for c in now), "a residual changed")
+        runs.append((flat(model.ps).copy(), state.residuals()))
+    assert_identical_bits(COMM, runs[0][0], "parameters")
+    assert_all(COMM, np.array_equal(runs[0][0], runs[1][0]), "the parameters differ from the run without the overflow")
+    assert_all(COMM, runs[0][1].keys() == runs[1][1].keys()
+               and all(np.array_equal(runs[0][1][c], runs[1][1][c]) for c in runs[0][1]),
+               "the residuals differ from the run without the overflow")
 
 
 @pytest.mark.mpi(min_size=1)

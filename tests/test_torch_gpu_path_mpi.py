@@ -122,7 +122,7 @@ def test_a_resume_on_the_gpu_path_gives_the_bits_of_a_run_that_never_stopped(top
 def test_a_nan_on_one_rank_is_refused_on_every_rank_on_the_gpu_path(topologies):
     _, gpu = topologies
     model = place(Controlled(), gpu)
-    opt = wrap(model, gpu, algorithm="hitopk", density=0.2)
+    opt = wrap(model, gpu, algorithm="hitopk", density=0.2, non_finite="raise")
     grads = rank_grads(2, 0)
     if COMM.rank == COMM.size - 1:
         grads[COMM.rank][3][1] = np.nan
@@ -146,3 +146,33 @@ def test_parameters_where_the_topology_does_not_work_are_refused_on_every_rank(t
         mixed.ps[2] = torch.nn.Parameter(torch.zeros(mixed.ps[2].shape, device="meta"))
     with pytest.raises(ConfigError, match=r"several devices \(cpu, meta\)"):
         wrap(mixed, None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_overflow_under_autocast_is_skipped_on_every_rank_with_the_cpu_paths_bits(topologies):
+    """GradScaler and autocast (float16 on a GPU, bfloat16 on the CPU that the
+    simulator runs on), an overflow on rank 0 at step 1: skipped on every rank
+    with the scale halved, and the GPU path ends on the CPU path's bits."""
+    runs = []
+    for topology in topologies:
+        device = "cuda" if tensor_device(topology.memory).type == "cuda" else "cpu"
+        model = place(Controlled(), topology)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=1000)
+        opt = wrap(model, topology, algorithm="hitopk", density=0.2, grad_scaler=scaler)
+        for step in range(3):
+            grads = rank_grads(5, step)[COMM.rank]
+            if step == 1 and COMM.rank == 0:
+                grads[3][1] = np.inf
+            opt.zero_grad()
+            before = host_flat(model.ps), scaler.get_scale()
+            with torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16):
+                loss = sum((p * torch.from_numpy(g).to(p.device).reshape(p.shape)).sum() for p, g in zip(model.ps, grads))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if step == 1:
+                assert_all(COMM, scaler.get_scale() == before[1] / 2, f"{device}: scale {scaler.get_scale()}")
+                assert_all(COMM, np.array_equal(host_flat(model.ps), before[0]), f"{device}: a skipped step moved")
+        assert_identical_bits(COMM, host_flat(model.ps), "parameters")
+        runs.append(host_flat(model.ps))
+    assert_all(COMM, np.array_equal(*runs), "the GPU path's parameters differ from the CPU path's")

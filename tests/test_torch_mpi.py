@@ -45,6 +45,14 @@ def rank_grads(seed: int, step: int, dtype=np.float32):
     return [np.split(f, cuts) for f in flat]
 
 
+def residuals_of(opt) -> list:
+    return [bucket.reducer.residual_state()[1].copy() for bucket in opt.buckets]
+
+
+def parameters_of(model) -> np.ndarray:
+    return torch.cat([p.detach().flatten() for p in model.ps]).numpy().copy()
+
+
 def wrap(model, topology, **options):
     options.setdefault("bucket_cap_mb", 40 * 4 / 2**20)  # about 40 floats: several buckets
     return sct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
@@ -363,14 +371,35 @@ def test_a_different_model_on_one_rank_is_refused_on_every_rank(topology, case):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_nan_on_one_rank_skips_the_step_on_every_rank(topology):
+def test_a_nan_on_one_rank_is_a_nan_mean_on_every_rank_and_leaves_the_residuals(topology):
     model = Controlled()
     opt = wrap(model, topology, algorithm="hitopk", density=0.2)
+    model.backward_with(rank_grads(2, 0)[COMM.rank])
+    opt.step()
+    kept = residuals_of(opt)
+    grads = rank_grads(2, 1)
+    if COMM.rank == 0:
+        grads[0][1][0] = np.nan
+    opt.zero_grad()
+    model.backward_with(grads[COMM.rank])  # the gradients are reduced when backward returns
+    for bucket, residual, was in zip(opt.buckets, residuals_of(opt), kept):
+        poisoned = any(p is model.ps[1] for p in bucket.params)
+        nan = [bool(torch.isnan(p.grad).all()) for p in bucket.params]
+        assert_all(COMM, nan == [poisoned] * len(nan), f"bucket {bucket.index}: NaN where {nan}")
+        if poisoned:
+            assert_all(COMM, np.array_equal(residual, was), "the NaN bucket's residual changed")
+    opt.step()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank_when_asked_to_raise(topology):
+    model = Controlled()
+    opt = wrap(model, topology, algorithm="hitopk", density=0.2, non_finite="raise")
     grads = rank_grads(2, 0)
     if COMM.rank == 0:
         grads[0][1][0] = np.nan
     model.backward_with(grads[COMM.rank])
-    with pytest.raises(NonFiniteGradientError, match="rank 0"):
+    with pytest.raises(NonFiniteGradientError, match="rank 0: non-finite values"):
         opt.step()
     assert_all(COMM, all(not p.detach().any() for p in model.ps), "parameters changed by a refused step")
     opt.zero_grad()  # the next step works: no rank was stranded
@@ -390,6 +419,8 @@ def test_misuse_is_named(topology):
         wrap(model, topology, bucket_cap_mb=0)
     with pytest.raises(ConfigError, match="float16 and bfloat16"):
         wrap(Controlled(dtype=torch.complex64), topology)
+    with pytest.raises(ConfigError, match="non_finite must be one of 'propagate', 'raise', got 'skip'"):
+        wrap(model, topology, non_finite="skip")
     opt = wrap(model, topology, algorithm="dense", overlap=False)
     model.backward_with(rank_grads(1, 0)[COMM.rank])
     with pytest.raises(RuntimeError, match="in flight"):
@@ -438,3 +469,120 @@ def test_a_launcher_whose_ranks_are_not_mpis_is_refused_on_every_rank(monkeypatc
     expected = ("spar_comm.torch.broadcast_parameters: MPI's world and the torch job hold different processes "
                 "(MPI rank 0 is torch rank 0, MPI rank 1 is torch rank 0")
     assert_all(COMM, problem.startswith(expected), problem)
+
+
+AMP_CASES = [("dense", {}), ("topka", {}), ("hitopk", {}), ("hitopk", {"values": "int8"})]
+
+
+def amp_step(model, opt, scaler, grads, recipe: str) -> None:
+    """One step under GradScaler, loss = sum(p * g): the plain recipe, or
+    Horovod's (synchronize, unscale, step inside skip_synchronize)."""
+    opt.zero_grad()
+    loss = sum((p * torch.from_numpy(g).reshape(p.shape)).sum() for p, g in zip(model.ps, grads))
+    scaler.scale(loss).backward()
+    if recipe == "horovod":
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+    else:
+        scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("recipe, overlap", [("plain", True), ("horovod", True), ("plain", False)],
+                         ids=["plain", "horovod", "plain-no-overlap"])
+@pytest.mark.parametrize("algorithm, settings", AMP_CASES, ids=["dense", "topka", "hitopk", "hitopk-int8"])
+def test_an_overflow_on_one_rank_is_skipped_by_grad_scaler_on_every_rank(topology, algorithm, settings, recipe,
+                                                                           overlap):
+    """Steps 0, an overflow on rank 0, 2, against steps 0 and 2 alone: the
+    overflow halves the scale on every rank and changes no parameter and no
+    residual, and the run goes on to the bits of the run without it (the scale
+    is a power of two: every scaled sum, selection and mean is exact to it)."""
+    runs = []
+    for steps in ([0, "overflow", 2], [0, 2]):
+        model = Controlled()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        opt = wrap(model, topology, algorithm=algorithm, density=0.2, grad_scaler=scaler, overlap=overlap,
+                   **settings)
+        for step in steps:
+            grads = rank_grads(21, 1 if step == "overflow" else step)[COMM.rank]
+            if step != "overflow":
+                amp_step(model, opt, scaler, grads, recipe)
+                continue
+            before = parameters_of(model), residuals_of(opt), scaler.get_scale()
+            if COMM.rank == 0:
+                grads[2][3] = np.inf
+            amp_step(model, opt, scaler, grads, recipe)
+            assert_all(COMM, scaler.get_scale() == before[2] / 2, f"scale {scaler.get_scale()} after {before[2]}")
+            assert_all(COMM, np.array_equal(parameters_of(model), before[0]), "the skipped step moved a parameter")
+            assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(residuals_of(opt), before[1])),
+                       "the skipped step changed a residual")
+        saved = opt.state_dict()["spar_comm"]["residuals"][COMM.rank]
+        runs.append((parameters_of(model), [values.numpy() for _, values in saved]))
+    assert_identical_bits(COMM, runs[0][0], "parameters")
+    assert_all(COMM, np.array_equal(runs[0][0], runs[1][0]), "the parameters differ from the run without the overflow")
+    assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1])),
+               "the residuals differ from the run without the overflow")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unscaling_before_clipping_sees_the_mean(topology):
+    model = Controlled(dtype=torch.float64)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = wrap(model, topology, algorithm="dense", grad_scaler=scaler)
+    grads = rank_grads(4, 0, np.float64)
+    loss = sum((p * torch.from_numpy(g).reshape(p.shape)).sum() for p, g in zip(model.ps, grads[COMM.rank]))
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    for i, p in enumerate(model.ps):
+        mean = sum(g[i] for g in grads) / COMM.size
+        assert_all(COMM, np.array_equal(p.grad.numpy().ravel(), mean), f"parameter {i}: not the unscaled mean")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    assert_identical_bits(COMM, parameters_of(model), "parameters")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_grad_scaler_with_error_feedback_must_be_named(topology):
+    model = Controlled()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = wrap(model, topology, algorithm="hitopk", density=0.2)
+    amp = [g for g in rank_grads(4, 0)[COMM.rank]]
+    with pytest.raises(ConfigError, match="needs grad_scaler="):
+        amp_step(model, opt, scaler, amp, "plain")
+    assert_all(COMM, not parameters_of(model).any(), "a refused step moved a parameter")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_amp_run_resumes_with_its_scale_to_the_same_bits(topology):
+    """The checkpoint recipe under GradScaler: the optimizer's and the scaler's
+    state dicts. Saved after an overflow (the scale halved), resumed in a new
+    optimizer and scaler: the same bits as the run that never stopped."""
+    def start():
+        model = Controlled()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        return model, scaler, wrap(model, topology, algorithm="hitopk", density=0.2, grad_scaler=scaler)
+
+    def run(model, scaler, opt, steps):
+        for step in steps:
+            grads = rank_grads(23, step)[COMM.rank]
+            if step == 1 and COMM.rank == 0:
+                grads[2][3] = np.inf
+            amp_step(model, opt, scaler, grads, "plain")
+
+    straight = start()
+    run(*straight, range(4))
+    first = start()
+    run(*first, range(2))
+    saved = {"model": first[0].state_dict(), "optimizer": first[2].state_dict(), "scaler": first[1].state_dict()}
+    resumed = start()
+    resumed[0].load_state_dict(saved["model"])
+    resumed[2].load_state_dict(saved["optimizer"])
+    resumed[1].load_state_dict(saved["scaler"])
+    assert_all(COMM, resumed[1].get_scale() == 2.0**9, f"the resumed scale is {resumed[1].get_scale()}")
+    run(*resumed, range(2, 4))
+    assert_all(COMM, np.array_equal(parameters_of(straight[0]), parameters_of(resumed[0])),
+               "the resumed run differs from the one that never stopped")

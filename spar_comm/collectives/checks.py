@@ -119,7 +119,10 @@ def refusal(algorithm: str, codes: Sequence[int], kind: str, dtype: np.dtype, si
              for rank, code in enumerate(codes.tolist()) if code]
     if (codes & BAD_STATE).any():
         error = ConfigError
+    elif (codes | NON_FINITE).max() == NON_FINITE:  # the values alone: say so, and nothing of shapes
+        return NonFiniteGradientError(f"{algorithm} allreduce refused the gradient, nothing was changed: "
+                                      + "; ".join(parts))
     else:
-        error = NonFiniteGradientError if (codes | NON_FINITE).max() == NON_FINITE else GradientError
+        error = GradientError
     return error(f"{algorithm} allreduce refused the gradient (expected 1-D contiguous {dtype.name} of length "
                  f"{size}; nothing was changed): " + "; ".join(parts))

@@ -58,6 +58,13 @@ class ErrorFeedback:
         self.state.values += fresh
         return self.state.values
 
+    def rescale(self, factor: float) -> None:
+        """Multiply the residual by ``factor``: the gradients it is added to
+        changed units (a loss scale, as GradScaler's, changed by a power of
+        two, which is exact)."""
+        if self.on:
+            self.state.values *= self.dtype.type(factor)
+
     def forget(self, acc: Any, indices: Any) -> None:
         """Clear what was selected from ``acc`` (the residual): it is being sent."""
         if self.on:

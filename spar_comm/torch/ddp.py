@@ -36,9 +36,11 @@ from mpi4py import MPI
 
 from ..collectives import AUTO, make_allreducer
 from ..consensus import raise_if_any, require_same
-from ..errors import SparCommError
+from ..errors import NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
+from .backward_end import EndOfBackward, after_queued
+from .optimizer import non_finite_problem
 from .streams import NoStreams, as_array, as_tensor, streams_for
 from .world import require_job_world
 
@@ -58,6 +60,7 @@ class _Job:
         self.params: List[torch.Tensor] = list(bucket.parameters())
         self.future = future
         self.produced = [] if produced is None else [produced]
+        self.to_future = False  # an error goes on the future (a bucket handed over outside backward)
 
 
 class _Bucket:
@@ -82,9 +85,11 @@ class HookState:
     and called between iterations."""
 
     def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology],
-                 error_feedback: bool, settings: Dict[str, Any]):
+                 error_feedback: bool, non_finite: str, grad_scaler: Any, settings: Dict[str, Any]):
         self.algorithm, self.density, self.selector = algorithm, density, selector
         self.error_feedback = error_feedback
+        self.non_finite, self.grad_scaler = non_finite, grad_scaler
+        self._scale = 1.0  # the loss scale the residuals and the carry are in units of
         self.settings = settings  # codecs and the algorithm's own options, for make_allreducer
         self.topology = topology
         self._comm: MPI.Comm = MPI.COMM_WORLD if topology is None else topology.world
@@ -99,6 +104,14 @@ class HookState:
         self._busy = 0  # jobs handed over and not yet done with
         self._idle = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._errors: List[SparCommError] = []  # raised out of backward once DDP is done with it
+        self._backward_end = EndOfBackward(lambda: after_queued(self._iteration_ended))  # after DDP's own
+        # Where an iteration may be skipped (GradScaler, non_finite="raise"): what its
+        # reductions found, put back if a bucket overflowed on any rank.
+        self._keep = grad_scaler is not None or non_finite == "raise"
+        self._kept: List[Tuple[_Bucket, Any]] = []  # (bucket, its residual before this iteration)
+        self._taken: Dict[int, torch.Tensor] = {}  # id(parameter) -> carry taken this iteration
+        self._overflowed = False
 
     # -- the hook (autograd's thread) ----------------------------------------------------
     def submit(self, bucket: Any) -> torch.futures.Future:
@@ -114,10 +127,32 @@ class HookState:
             self._thread = threading.Thread(target=self._serve, name="spar_comm-ddp-hook", daemon=True)
             self._thread.start()
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
+        job = _Job(bucket, future, self._streams.produced())
+        # Outside backward (a bucket handed over by hand) the future carries the errors.
+        job.to_future = not self._backward_end.arm()
         with self._idle:
             self._busy += 1
-        self._jobs.put(_Job(bucket, future, self._streams.produced()))
+        self._jobs.put(job)
         return future
+
+    def _iteration_ended(self) -> None:
+        """As backward ends, after DDP has finished the iteration's buckets:
+        where a bucket held NaN or Inf on any rank, put back every residual and
+        carry the iteration's reductions took (the step will be skipped). Then
+        raise out of ``backward()`` what a reduction raised on every rank, with
+        spar_comm's own type and message: DDP is done with the iteration and
+        stays usable (a hook that raises, or a future that fails, would leave
+        it broken for good)."""
+        self._wait_idle()
+        if self._overflowed:
+            for bucket, kept in self._kept:
+                bucket.reducer.feedback.residual[...] = kept
+            for key, values in self._taken.items():
+                self._carry[key] = self._carry[key] + values if key in self._carry else values
+        self._kept, self._taken, self._overflowed = [], {}, False
+        errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
 
     # -- the communication thread ---------------------------------------------------------
     def _serve(self) -> None:
@@ -134,12 +169,19 @@ class HookState:
             with self._streams.communicating(job.produced):
                 if job.is_last:
                     self._retire(lambda index: index > job.index)  # buckets DDP no longer has
+                if job.index == 0:  # the iteration's first bucket: none is being reduced
+                    self._kept, self._taken, self._overflowed = [], {}, False
+                    self._follow_scale()
+                result = job.future.set_result, job.buffer
                 try:
                     bucket = self._bucket(job)
                     self._reduce(bucket, job)
-                    result = job.future.set_result, job.buffer
                 except SparCommError as error:  # raised on every rank alike
-                    result = job.future.set_exception, error
+                    if job.to_future:
+                        result = job.future.set_exception, error
+                    else:  # DDP takes a NaN bucket and finishes; backward then raises the error
+                        self._errors.append(error)
+                        job.buffer.fill_(float("nan"))
                 with self._idle:  # done with this job before DDP, woken by the future, may ask for the state
                     self._busy -= 1
                     self._idle.notify_all()
@@ -170,6 +212,8 @@ class HookState:
     def _reduce(self, bucket: _Bucket, job: _Job) -> None:
         """Add the carried residuals of the bucket's parameters, then allreduce in place."""
         carried = [(i, self._carry[id(p)]) for i, p in enumerate(bucket.params) if id(p) in self._carry]
+        if self._keep and bucket.reducer.keeps_residual:
+            self._kept.append((bucket, bucket.reducer.feedback.residual.copy()))
         if carried:
             grads = job.buffer.clone()  # the carry is dropped only once the allreduce took it
             for i, values in carried:
@@ -177,12 +221,23 @@ class HookState:
         try:
             array = as_array(job.buffer)
             bucket.reducer.allreduce(array, out=array)
+        except NonFiniteGradientError:
+            self._overflowed = True
+            if carried:
+                job.buffer.copy_(grads)
+            if self.non_finite == "raise":
+                raise
+            job.buffer.fill_(float("nan"))  # a non-finite mean on every rank, as DDP's allreduce gives
+            return  # nothing was taken: residuals and carry stay as they were
         except SparCommError:
             if carried:
                 job.buffer.copy_(grads)
             raise
-        for i, p in carried:
-            del self._carry[id(bucket.params[i])]
+        for i, values in carried:
+            key = id(bucket.params[i])
+            del self._carry[key]
+            if self._keep:
+                self._taken[key] = values
 
     # -- residuals in parameter coordinates ------------------------------------------------
     def _place(self, bucket: _Bucket) -> None:
@@ -202,7 +257,7 @@ class HookState:
                 problem = (f"the hook state's residual at {self._coordinates[id(p)]} has {saved.size} values; "
                            f"the parameter there has {p.numel()} (another model or DDP bucket size?)")
                 break
-            bucket.residual_of(i, full)[...] = saved
+            bucket.residual_of(i, full)[...] = saved * self._scale  # saved in the gradients' own units
         raise_if_any(self.topology.world, problem)
         lo, hi = span
         kept = full[lo:hi].copy()
@@ -225,13 +280,28 @@ class HookState:
                         self._add_carry(p, values.clone())
             bucket.reducer.free()
 
+    def _follow_scale(self) -> None:
+        """Keep the residuals and the carry in the units of this iteration's
+        gradients, scaled by ``grad_scaler``'s current scale (which changes by
+        powers of two)."""
+        if self.grad_scaler is None:
+            return
+        scale = float(self.grad_scaler.get_scale())
+        if scale != self._scale:
+            for bucket in self.buckets.values():
+                bucket.reducer.feedback.rescale(scale / self._scale)
+            for values in self._carry.values():
+                values.mul_(scale / self._scale)
+            self._scale = scale
+
     def _add_carry(self, p: torch.Tensor, values: torch.Tensor) -> None:
         values = values.to(p.device)
         self._carry[id(p)] = self._carry[id(p)] + values if id(p) in self._carry else values
 
     def residuals(self) -> Dict[Coordinate, np.ndarray]:
         """This rank's residual of every parameter it holds one for (allreducers
-        and carry, flat, in the gradient's dtype), by coordinate."""
+        and carry, flat, in the gradient's dtype and own units whatever the
+        loss scale), by coordinate."""
         out: Dict[Coordinate, np.ndarray] = {c: v.copy() for c, v in self._loaded.items()}
         with self._streams.communicating([]):  # after the communication stream's work
             for bucket in self.buckets.values():
@@ -239,10 +309,10 @@ class HookState:
                     continue
                 full = bucket.reducer.memory.to_host(bucket.reducer.residual_full())
                 for i, p in enumerate(bucket.params):
-                    out[self._coordinates[id(p)]] = bucket.residual_of(i, full).copy()
+                    out[self._coordinates[id(p)]] = bucket.residual_of(i, full) / self._scale
             for key, values in self._carry.items():
                 coordinate = self._coordinates[key]
-                host = values.detach().cpu().numpy()
+                host = values.detach().cpu().numpy() / self._scale
                 out[coordinate] = out[coordinate] + host if coordinate in out else host.copy()
         return out
 
@@ -297,8 +367,8 @@ def _hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks annotations agains
 
 
 def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: str = "mstopk",
-              topology: Optional[Topology] = None, error_feedback: bool = True, values: Optional[str] = None,
-              indices: Optional[str] = None, **options: Any
+              topology: Optional[Topology] = None, error_feedback: bool = True, non_finite: str = "propagate",
+              grad_scaler: Any = None, values: Optional[str] = None, indices: Optional[str] = None, **options: Any
               ) -> Tuple[HookState, Callable[[HookState, Any], torch.futures.Future]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's
     buckets averaged by spar_comm's ``algorithm`` (one allreducer per bucket,
@@ -308,9 +378,20 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
     algorithm's own, as ``powersgd``'s ``rank``) go to ``make_allreducer``;
     ``powersgd`` gets the bucket's tensor shapes too. Register it before the
     first backward. Collective over the topology's world (MPI's when none is
-    given): one that is not the torch job's (``world.py``) raises ConfigError
-    here, on every rank, and not inside backward, where DDP would not recover.
+    given): one that is not the torch job's (``world.py``), or a ``non_finite``
+    other than ``"propagate"`` and ``"raise"``, raises ConfigError here, on
+    every rank, and not inside backward, where DDP would not recover.
+
+    A NaN or Inf in any rank's bucket gives every rank a NaN bucket (as DDP's
+    own allreduce passes an overflow on), residuals unchanged, so that
+    ``GradScaler`` skips the step alike everywhere; ``non_finite="raise"``
+    raises NonFiniteGradientError out of ``backward()`` on every rank instead.
+    So does any other error of a bucket's reduction, once DDP has finished
+    the iteration: DDP stays usable. Under ``GradScaler`` with error feedback
+    pass the scaler as ``grad_scaler``, so that the residuals follow its scale.
     """
-    require_job_world(MPI.COMM_WORLD if topology is None else topology.world, "spar_comm.torch.comm_hook")
+    comm = MPI.COMM_WORLD if topology is None else topology.world
+    require_job_world(comm, "spar_comm.torch.comm_hook")
+    raise_if_any(comm, non_finite_problem(non_finite))
     settings = {"values": values, "indices": indices, **options}
-    return HookState(algorithm, density, selector, topology, error_feedback, settings), _hook
+    return HookState(algorithm, density, selector, topology, error_feedback, non_finite, grad_scaler, settings), _hook

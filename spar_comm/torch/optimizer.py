@@ -5,8 +5,8 @@
     optimizer = sct.DistributedOptimizer(optimizer, model.named_parameters(), density=0.001)
     sct.broadcast_optimizer_state(optimizer)
     ...
-    loss.backward()                                  # buckets are reduced while backward goes on
-    optimizer.step()                                 # waits for them, then steps
+    loss.backward()                                  # buckets reduced while it runs; returns with the mean
+    optimizer.step()
 
 Horovod's shape. Gradients are grouped into buckets of about ``bucket_cap_mb``
 in reverse registration order (the order in which backward produces them, as
@@ -17,6 +17,11 @@ while backward goes on. Buckets start in index order on every rank whatever
 order their gradients arrive in, so the collectives of all ranks match. Each
 parameter's ``.grad`` then becomes a view of its bucket's result (DDP's
 ``gradient_as_bucket_view``), valid until the next step reduces that bucket.
+As in DDP, ``backward()`` returns only once the buckets it started are
+reduced (an autograd callback at its end), so ``GradScaler`` and gradient clipping read
+the mean, the same on every rank. A NaN or Inf on any rank makes the mean NaN
+on every rank (``GradScaler`` then skips the step everywhere), with the
+residuals as they were.
 
 Parameters on the rank's GPU (``cuda:i``, i its place on its host modulo the
 device count) make buckets and allreducers on the GPU (``Topology(device=
@@ -44,9 +49,10 @@ from .. import waiting
 from ..collectives import AUTO, make_allreducer
 from ..consensus import raise_if_any
 from ..device import device_index
-from ..errors import ConfigError, SparCommError
+from ..errors import ConfigError, NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
+from .backward_end import EndOfBackward
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
 from .world import check_size, require_job_world
 
@@ -59,6 +65,16 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "f
 STATE_FORMAT = 1
 #: A problem bit agreed over ranks at every synchronize.
 _TOO_MANY_PASSES = 1
+#: What a NaN or Inf in any rank's gradient does: a non-finite mean on every
+#: rank (torch's convention, which GradScaler relies on), or NonFiniteGradientError.
+NON_FINITE = ("propagate", "raise")
+
+
+def non_finite_problem(value: Any) -> Optional[str]:
+    """Why ``value`` is no ``non_finite`` setting, or None."""
+    if value in NON_FINITE:
+        return None
+    return f"non_finite must be one of {', '.join(map(repr, NON_FINITE))}, got {value!r}"
 
 
 class _Bucket:
@@ -81,6 +97,9 @@ class _Bucket:
         self.passes = [0] * len(self.params)
         self.waiting = len(self.params)
         self.ready = False
+        self.done = False  # reduced (or refused) this step
+        self.overflowed = False  # a rank's gradient held NaN or Inf this step
+        self.kept: Any = None  # the residual as this step found it, where a step may be skipped
         self.times: Dict[str, float] = {}
         self.produced: List[Any] = []  # events after which the gradients are final
         self.finished: Any = None  # event after which ``.grad`` holds the result
@@ -92,22 +111,42 @@ class _Bucket:
         self.passes = [0] * len(self.params)
         self.waiting = len(self.params)
         self.ready = False
+        self.done = False
+        self.overflowed = False
+        self.kept = None
         self.times = {}
         self.produced = []
         self.finished = None
 
-    def reduce(self, streams: NoStreams) -> None:
+    def restore(self) -> None:
+        """Put back the residual ``reduce`` kept: the step is skipped."""
+        if self.kept is not None:
+            self.reducer.feedback.residual[...] = self.kept
+
+    def reduce(self, streams: NoStreams, non_finite: str, keep: bool) -> None:
         """Gather the gradients, allreduce in place, and make each ``.grad``
         a view of its result (as DDP's ``gradient_as_bucket_view``): on the
         communication stream, once the gradients' producers are done. A
         gradient that is still its view (``zero_grad(set_to_none=False)``,
-        accumulation) is in the buffer already and is not copied."""
+        accumulation) is in the buffer already and is not copied. A NaN or
+        Inf on any rank leaves the allreducer as it was and, unless
+        ``non_finite="raise"``, makes the result NaN on every rank. ``keep``
+        copies the residual first, for ``restore``."""
         self.times["start"] = time.perf_counter()
+        self.done = True
         with streams.communicating(self.produced):
             for view, p in zip(self.views, self.params):
                 if p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
-            self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer)
+            if keep:
+                self.kept = self.reducer.feedback.residual.copy()
+            try:
+                self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer)
+            except NonFiniteGradientError:  # raised on every rank alike
+                self.overflowed = True
+                if non_finite == "raise":
+                    raise
+                self.flat.fill_(float("nan"))
             for view, p in zip(self.views, self.params):
                 p.grad = view
             self.finished = streams.finished()
@@ -120,9 +159,12 @@ class _DistributedOptimizer:
     def _spar_setup(self, named: List[Tuple[str, torch.nn.Parameter]], algorithm: str, density: float,
                     selector: str, topology: Optional[Topology], bucket_cap_mb: float,
                     backward_passes_per_step: int, dense: Sequence[Any], overlap: bool,
-                    error_feedback: bool, values: Optional[str], indices: Optional[str],
-                    options: Dict[str, Any]) -> None:
+                    error_feedback: bool, non_finite: str, grad_scaler: Any, values: Optional[str],
+                    indices: Optional[str], options: Dict[str, Any]) -> None:
         self.topology = topology
+        self.non_finite = non_finite
+        self.grad_scaler = grad_scaler
+        self._scale = 1.0  # the loss scale the residuals are in units of
         self._streams = streams_for(topology.memory)
         self._auto = algorithm == AUTO
         world = self.topology.world
@@ -148,6 +190,7 @@ class _DistributedOptimizer:
         self._next = 0  # the lowest bucket index not yet started this step
         self._in_flight = False
         self._skip = False
+        self._backward_end = EndOfBackward(self._backward_ended)
         self.last_wait = 0.0  # seconds the last synchronize() waited
         self.last_timings: List[Dict[str, float]] = []  # bucket_timings() of the last synchronized step
         self._errors: List[BaseException] = []
@@ -182,6 +225,7 @@ class _DistributedOptimizer:
         same order on every rank, whatever order backward produced them in."""
         bucket.ready = True
         bucket.times["ready"] = time.perf_counter()
+        self._backward_end.arm()
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
             self._start(self.buckets[self._next])
             self._next += 1
@@ -191,6 +235,23 @@ class _DistributedOptimizer:
         if self._jobs is not None:
             self._jobs.put(bucket)
 
+    def _backward_ended(self) -> None:
+        """Finish the buckets started in this backward before it returns, as
+        DDP does, so that whatever reads ``.grad`` before ``step()``
+        (``GradScaler``'s overflow check, clipping) sees the mean, alike on
+        every rank, and never races the communication thread. Buckets that
+        backward did not make ready wait for ``synchronize()``."""
+        if self._jobs is None:
+            for bucket in self.buckets[: self._next]:
+                if not bucket.done:
+                    self._run(bucket)
+        else:
+            ended = threading.Event()
+            self._jobs.put(ended)
+            ended.wait()
+        for bucket in self.buckets[: self._next]:
+            self._streams.consume(bucket.finished)
+
     # -- the communication thread --------------------------------------------------------
     def _serve(self) -> None:
         while True:
@@ -198,20 +259,38 @@ class _DistributedOptimizer:
             self._run(job)
 
     def _run(self, job: Any) -> None:
-        """A bucket, or None: the end of the step (agree on local problems)."""
+        """A bucket; an event to set once the buckets before it are done; or
+        None: the end of the step (agree on local problems)."""
         try:
+            if isinstance(job, threading.Event):
+                job.set()
+                return
             if job is None:
                 self._flags[0] = self._problems
                 waiting.collective(self._comm, "Allreduce", MPI.IN_PLACE, self._flags, op=MPI.BOR)
                 self._done.set()
                 return
             try:
-                job.reduce(self._streams)
+                if job.index == 0:  # the step's first bucket: none is being reduced
+                    self._follow_scale()
+                # A step that may be skipped keeps what it found, so that a skip leaves every residual as it was.
+                job.reduce(self._streams, self.non_finite, self.grad_scaler is not None or self.non_finite == "raise")
             except SparCommError as error:  # raised on every rank alike by the allreducer
                 self._errors.append(error)
         except BaseException:
             # Not agreed between ranks (a bug, memory): the others would wait for ever.
             abort_job(self.topology.world, f"spar_comm.torch bucket {getattr(job, 'index', '')} allreduce")
+
+    def _follow_scale(self) -> None:
+        """Keep the residuals in the units of this step's gradients, scaled by
+        ``grad_scaler``'s current scale (which changes by powers of two)."""
+        if self.grad_scaler is None:
+            return
+        scale = float(self.grad_scaler.get_scale())
+        if scale != self._scale:
+            for bucket in self.buckets:
+                bucket.reducer.feedback.rescale(scale / self._scale)
+            self._scale = scale
 
     # -- the public interface ------------------------------------------------------------
     def synchronize(self) -> None:
@@ -232,7 +311,8 @@ class _DistributedOptimizer:
             self._next += 1
         if self._jobs is None:
             for bucket in self.buckets:
-                self._run(bucket)
+                if not bucket.done:
+                    self._run(bucket)
             self._run(None)
         else:
             self._jobs.put(None)
@@ -244,6 +324,9 @@ class _DistributedOptimizer:
         errors, problems = self._errors, int(self._flags[0])
         self._errors, self._problems, self._next, self._in_flight = [], 0, 0, False
         self.last_timings = self.bucket_timings()
+        if any(bucket.overflowed for bucket in self.buckets):  # on every rank alike: the step will be skipped
+            for bucket in self.buckets:
+                bucket.restore()
         for bucket in self.buckets:
             bucket.reset()
         if problems & _TOO_MANY_PASSES:
@@ -264,10 +347,36 @@ class _DistributedOptimizer:
         finally:
             self._skip = False
 
+    #: ``torch.amp.GradScaler.step`` hands this step its scale and overflow
+    #: verdict instead of unscaling, and calls it even on an overflow, so that
+    #: every rank passes the step's end together (``step`` below).
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Any = None) -> Any:
+        """Synchronize (unless inside ``skip_synchronize``), then step. Under
+        ``GradScaler``: skip the update where its verdict found an overflow (the
+        same on every rank: it read the reduced gradients), else unscale them
+        first, as GradScaler would have."""
         if not self._skip:
             self.synchronize()
-        return super().step(closure)
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found_inf is None:
+            return super().step(closure)
+        if self.grad_scaler is None and any(b.reducer.keeps_residual for b in self.buckets):
+            raise ConfigError("DistributedOptimizer under GradScaler with error feedback needs "
+                              "grad_scaler=<the scaler>, so that the residuals follow its scale")
+        if self._steps_amp_itself:  # the wrapped optimizer unscales and skips itself (fused Adam)
+            return super().step(closure)
+        if float(found_inf) > 0:
+            return None
+        if grad_scale is not None:  # GradScaler left the unscaling to this step
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch._foreach_mul_(grads, grad_scale.double().reciprocal().float())
+        handed = {name: self.__dict__.pop(name) for name in ("grad_scale", "found_inf")}
+        try:  # the wrapped optimizer must not see them (GradScaler deletes them after the step)
+            return super().step(closure)
+        finally:
+            self.__dict__.update(handed)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._refuse_in_flight("zero_grad()")
@@ -282,11 +391,12 @@ class _DistributedOptimizer:
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state plus every rank's error-feedback
-        residual per bucket, so any rank's copy can resume the whole job.
-        Collective: every rank calls it."""
+        residual per bucket (in the gradients' own units, whatever the loss
+        scale), so any rank's copy can resume the whole job. Collective: every
+        rank calls it."""
         self._refuse_in_flight("state_dict()")
         state = super().state_dict()
-        mine = [b.reducer.residual_state() for b in self.buckets]
+        mine = [(span, values / self._scale) for span, values in (b.reducer.residual_state() for b in self.buckets)]
         everyone = self._comm.allgather(mine)  # pickled: once per checkpoint, never on the hot path
         state["spar_comm"] = {
             "format": STATE_FORMAT,
@@ -314,7 +424,7 @@ class _DistributedOptimizer:
             problem = f"the wrapped optimizer refused its state: {error}"
         raise_if_any(self._comm, problem)
         for bucket, (span, values) in zip(self.buckets, saved["residuals"][self._comm.rank]):
-            bucket.reducer.load_residual_state(span, np.asarray(values))
+            bucket.reducer.load_residual_state(span, np.asarray(values) * self._scale)
 
     def _refuse_in_flight(self, what: str) -> None:
         if self._in_flight:
@@ -361,6 +471,8 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     dense: Sequence[Any] = (),
     overlap: bool = True,
     error_feedback: bool = True,
+    non_finite: str = "propagate",
+    grad_scaler: Any = None,
     values: Optional[str] = None,
     indices: Optional[str] = None,
     **options: Any,
@@ -373,7 +485,14 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     its order is the registration order. ``dense`` lists names (or the
     parameters themselves) never to sparsify: embeddings, norms, heads.
     ``backward_passes_per_step=N`` accumulates N backward passes locally before
-    one allreduce. ``overlap=False`` reduces every bucket at ``step()`` instead.
+    one allreduce. ``overlap=False`` reduces every bucket as backward ends
+    instead of while it runs. Either way ``backward()`` returns with the mean
+    gradients, as in DDP. A NaN or Inf in any rank's gradient makes a bucket's
+    mean NaN on every rank, residuals unchanged, so that ``GradScaler`` skips
+    the step alike everywhere; ``non_finite="raise"`` raises
+    NonFiniteGradientError from ``step()`` on every rank instead. Under ``torch.amp.GradScaler`` with error feedback,
+    pass the scaler as ``grad_scaler``: the residuals then follow its scale
+    (else a residual kept at one scale is added to gradients of another).
     ``values`` and ``indices`` are the codecs of the messages, and ``options``
     the algorithm's own settings (``powersgd``'s ``rank``), as for
     ``make_allreducer``; the ``dense`` buckets take ``values`` only.
@@ -386,7 +505,7 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     require_job_world(MPI.COMM_WORLD if topology is None else topology.world, "spar_comm.torch.DistributedOptimizer")
     named, problem = _named_parameters(optimizer, named_parameters)
     if problem is None:
-        problem = _settings_problem(named, dense, bucket_cap_mb, backward_passes_per_step)
+        problem = _settings_problem(named, dense, bucket_cap_mb, backward_passes_per_step, non_finite)
     raise_if_any(MPI.COMM_WORLD if topology is None else topology.world, problem)
     if topology is None:
         topology = Topology(device="gpu" if named[0][1].device.type == "cuda" else "cpu")
@@ -394,8 +513,9 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
+    wrapped._steps_amp_itself = bool(getattr(type(optimizer), "_step_supports_amp_scaling", False))
     wrapped._spar_setup(named, algorithm, density, selector, topology, bucket_cap_mb, backward_passes_per_step,
-                        dense, overlap, error_feedback, values, indices, options)
+                        dense, overlap, error_feedback, non_finite, grad_scaler, values, indices, options)
     return wrapped
 
 
@@ -458,9 +578,12 @@ def _named_parameters(optimizer: torch.optim.Optimizer, named: Optional[Iterable
     return [(n, p) for n, p in named if id(p) in wanted], None
 
 
-def _settings_problem(named: List, dense: Sequence[Any], bucket_cap_mb: Any, passes: Any) -> Optional[str]:
+def _settings_problem(named: List, dense: Sequence[Any], bucket_cap_mb: Any, passes: Any,
+                      non_finite: Any) -> Optional[str]:
     if not named:
         return "the optimizer has no parameters that take gradients"
+    if non_finite_problem(non_finite):
+        return non_finite_problem(non_finite)
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         return f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}"
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
