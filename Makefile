@@ -2,6 +2,7 @@
 #   make train   one default run (creates .venv and installs what it needs)
 #   make test    the serial suite, then the MPI suite at 1, 2, 3, 4 and 6 ranks,
 #                then the MPI suite and the driver tests under Open MPI
+#   make test-quick  a representative few minutes of it, while working
 #
 # EXTRAS picks the optional dependencies. The default brings an MPI library
 # from the package index (the mpich wheel); on a cluster with its own
@@ -24,7 +25,7 @@ FW_STAMP := $(VENV)/.installed-$(FW_ID)
 NP     ?= 4
 RANKS_PER_NODE ?= 2
 
-.PHONY: all install train test test-serial test-mpi test-openmpi train-openmpi bench clean
+.PHONY: all install train test test-quick test-serial test-mpi test-openmpi train-openmpi bench clean
 
 all: test
 
@@ -42,6 +43,12 @@ train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) drivers/train.py --ranks-per-node $(RANKS_PER_NODE) $(TRAIN_ARGS)
 
 test: test-serial test-mpi test-openmpi
+
+# A few minutes while working: the serial tests but those marked slow (driver
+# runs, simulated kernel sweeps), then the MPI suite at 1 and 2 ranks.
+test-quick: $(STAMP) $(FW_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) tests/run_mpi.py --mpiexec $(MPIEXEC) --launches 1:1,2:1
 
 $(FW_STAMP): $(STAMP)
 	$(if $(strip $(FRAMEWORKS)),$(PY) -m pip install --quiet $(FRAMEWORKS))

@@ -25,6 +25,10 @@ from spar_comm import Topology
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of `make test-quick` (a driver run or a simulated kernel sweep)")
+
+
 def find_mpiexec() -> str:
     """The launcher the tests start drivers with: ``$SPAR_COMM_MPIEXEC`` when set
     (an MPI on PATH, say), else the one next to this Python (the wheel's), else

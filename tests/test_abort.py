@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, find_mpiexec
 
 SCRIPT = """
@@ -25,6 +27,7 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_aborts_the_job():
     result = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-c", SCRIPT], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)

@@ -231,6 +231,7 @@ def cases(reader: str) -> List[tuple]:
     return [(reader, *case) for case in (HDF5 if form == "hdf5" else JSON) + SCHEMA[kind]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader, case, words, make", [c for r in READERS for c in cases(r)],
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_every_reader_refuses_every_bad_file_by_name(tmp_path, run_files, reader, case, words, make):
@@ -272,6 +273,7 @@ DRIVERS = {  # kind of file -> the command lines that read it
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, case", [(k, c) for k in DRIVERS for c in ("text", "cut short", "schema")])
 def test_drivers_exit_2_with_one_message_naming_the_file(tmp_path, run_files, kind, case):
     bad = good_file(kind, tmp_path, run_files)
@@ -289,6 +291,7 @@ def flip_a_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["text", "cut short", "missing residual", "flipped bit", "bad trace"])
 def test_resume_from_a_bad_file_exits_2_on_every_rank_and_touches_nothing(tmp_path, run_files, case):
     checkpoint, trace = tmp_path / "ck.h5", tmp_path / "trace.h5"

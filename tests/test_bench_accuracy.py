@@ -23,6 +23,7 @@ def accuracy_of(result) -> float:
     return float(re.search(r"held-out accuracy ([\d.]+)", result.stdout).group(1))
 
 
+@pytest.mark.slow
 def test_each_cell_is_the_train_py_run_of_its_flags(run_driver, tmp_path):
     out = tmp_path / "accuracy.json"
     result = run_driver("bench_accuracy.py", "--densities", "0.05", "--seeds", "0,1", "--workload", "--epochs 2",
@@ -86,6 +87,7 @@ def test_an_aid_set_switches_on_what_it_names_and_off_the_rest():
     (["--algorithm", "dense"], "--algorithm"),
     (["--dense-values", "float16,int4"], "--dense-values"),
 ])
+@pytest.mark.slow
 def test_bad_arguments_exit_2_on_every_rank(run_driver, args, words):
     result = run_driver("bench_accuracy.py", *args, ranks=2)
     assert result.returncode == 2 and words in result.stderr, result.stderr

@@ -61,6 +61,7 @@ def modelled_node_sweep() -> dict:
     return {"meta": {"sweep": "nodes"}, "records": records, "training": []}
 
 
+@pytest.mark.slow
 def test_the_node_sweep_model_is_fitted_on_few_hosts_and_predicts_the_rest(run_driver, tmp_path):
     path, png = tmp_path / "nodes.json", tmp_path / "nodes.png"
     path.write_text(json.dumps(modelled_node_sweep()))
@@ -108,6 +109,7 @@ def test_report_prints_every_cell_and_the_model_predicts_its_own_cells(run_drive
     (["--sweep", "hosts"], "--sweep: invalid choice"),
     (["--plot", "/no/such/folder/x.png"], "cannot write --plot"),
 ])
+@pytest.mark.slow
 def test_bad_arguments_exit_2(run_driver, args, words):
     result = run_driver("bench_cluster.py", *args)
     assert result.returncode == 2 and words in result.stderr, result.stderr

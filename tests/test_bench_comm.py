@@ -9,6 +9,7 @@ import pytest
 from spar_comm import ALGORITHMS
 
 
+@pytest.mark.slow
 def test_small_run_measures_every_algorithm(run_driver, tmp_path):
     out = tmp_path / "bench.json"
     result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", "1000,4099", "--density", 0.01,
@@ -27,6 +28,7 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
         assert len(re.findall(rf"^\s*\d+ {algorithm} ", result.stdout, re.M)) == 2, result.stdout
 
 
+@pytest.mark.slow
 def test_a_value_codec_narrows_the_messages_of_the_algorithms_that_take_one(run_driver, tmp_path):
     out = tmp_path / "bench.json"
     result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", "4099", "--density", 0.01,
@@ -42,6 +44,7 @@ def test_a_value_codec_narrows_the_messages_of_the_algorithms_that_take_one(run_
     assert rows["gtopk"]["bytes_inter"] == 336  # as it always sends
 
 
+@pytest.mark.slow
 def test_the_gpu_path_stages_only_the_pairs_of_the_sparse_algorithms(run_driver, tmp_path):
     """--device gpu-simulator (the GPU path on the CPU, MPI not CUDA-aware):
     dense stages its whole vector out and back, topka its k pairs out and the
@@ -73,6 +76,7 @@ def test_the_gpu_path_stages_only_the_pairs_of_the_sparse_algorithms(run_driver,
         (["--values", "int4"], "invalid choice: 'int4'"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_exits_2_with_a_message(run_driver, args, words):
     result = run_driver("bench_comm.py", *args)
     assert result.returncode == 2

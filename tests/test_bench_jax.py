@@ -9,6 +9,7 @@ pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 
+@pytest.mark.slow
 def test_small_run_times_both_paths(run_driver, tmp_path):
     out = tmp_path / "jax.json"
     result = run_driver("bench_jax.py", "--ranks-per-node", 1, "--sizes", "1000,4099", "--algorithms", "dense,topka",
@@ -23,6 +24,7 @@ def test_small_run_times_both_paths(run_driver, tmp_path):
         assert row["overhead"] == pytest.approx(row["jax_update_s"] / row["allreducer_s"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["--sizes", "0"], "every item must be an integer >= 1"),
     (["--algorithms", "dense,fast"], "every item must be one of"),

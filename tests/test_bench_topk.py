@@ -8,6 +8,7 @@ import json
 import pytest
 
 
+@pytest.mark.slow
 def test_every_cpu_method_is_timed_against_its_baselines_and_is_exact(run_driver, tmp_path):
     out = tmp_path / "topk.json"
     result = run_driver("bench_topk.py", "--sizes", "20000", "--densities", "0.01", "--repeat", "2",
@@ -23,6 +24,7 @@ def test_every_cpu_method_is_timed_against_its_baselines_and_is_exact(run_driver
             assert r["read_gbps"] == pytest.approx(20000 * (4 if dtype == "float32" else 2) / r["median_s"] / 1e9)
 
 
+@pytest.mark.slow
 def test_the_gpu_benchmark_runs_every_device_kernel_under_the_simulator(run_driver, tmp_path):
     pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
     out = tmp_path / "gpu.json"
@@ -36,6 +38,7 @@ def test_the_gpu_benchmark_runs_every_device_kernel_under_the_simulator(run_driv
     assert document["machine"]["device"] == "gpu-simulator"
 
 
+@pytest.mark.slow
 def test_gpu_without_cupy_or_a_gpu_exits_2_naming_what_is_missing(run_driver):
     result = run_driver("bench_topk.py", "--device", "gpu", "--sizes", "1000")
     assert result.returncode == 2

@@ -1,6 +1,8 @@
 """drivers/bench_waiting.py end to end: both ways of waiting measured, and bad input."""
 from __future__ import annotations
 
+import pytest
+
 from spar_comm.files import read_json
 
 LATE = 0.020  # seconds
@@ -29,6 +31,7 @@ def test_one_rank_is_refused(run_driver):
     assert "bench_waiting.py: error: needs at least 2 ranks" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_bad_option_is_refused(run_driver, tmp_path):
     for late in ("0", "1e13", "soon"):
         result = run_driver("bench_waiting.py", "--late-ms", late)

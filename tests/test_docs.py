@@ -81,6 +81,7 @@ if comm.rank == 0:
 """
 
 
+@pytest.mark.slow
 def test_the_readme_api_example_runs_on_two_emulated_nodes(tmp_path):
     block = re.search(r"<!-- api-example:.*?-->\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block, "the README lost its API example"

@@ -39,6 +39,7 @@ def cluster():
     assert not emucluster.existing(PREFIX)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_inter_host_bytes_cross_the_shaped_links(cluster):
     """hier_dense at 2 hosts x 2 ranks: the rail Allreduce between two ranks is
@@ -70,6 +71,7 @@ if topology.world.rank == 0:
 """
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.parametrize("rate, gbps", [("1gbit", 1.0), ("100mbit", 0.1)])
 def test_auto_times_the_shaped_link(cluster, rate, gbps):
@@ -105,6 +107,7 @@ def test_unshaped_links_have_no_rate_limit(cluster):
     assert emucluster.rate_bits_per_second(emucluster.UNSHAPED) == float("inf")
 
 
+@pytest.mark.slow
 @needs_netns
 def test_bench_comm_counts_each_algorithms_bytes_on_the_links(cluster, tmp_path):
     """bench_comm.py --link-counters: what every host's interface sent in one
@@ -164,6 +167,7 @@ def test_bad_specs(settings, words):
         emucluster.ClusterSpec(**settings)
 
 
+@pytest.mark.slow
 def test_driver_reports_bad_input_with_status_2(run_driver):
     result = run_driver("emucluster.py", "up", "--hosts", "0")
     assert result.returncode == 2 and "hosts must be" in result.stderr

@@ -51,6 +51,7 @@ def datasets(path: Path) -> list:
     return names
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_any_dataset_of_a_checkpoint_is_refused_by_both_checksums(good, tmp_path):
     names = datasets(good / FILES["checkpoint"])
     assert len(names) == 16  # 6 parameters, 6 velocities, 2 residuals, 2 local velocities
@@ -207,6 +208,7 @@ def test_the_fuzzer_tells_silent_corruption_from_a_refusal(good, tmp_path, monke
     assert run_case("bench_topk_plain", change, good, tmp_path, originals)[0] == "changed"
 
 
+@pytest.mark.slow
 def test_the_corpus_of_cases_that_once_failed_replays_without_a_defect(good):
     corpus = json.loads(CORPUS.read_text())
     assert len(corpus) >= 90 and {case["kind"] for case in corpus} >= {"checkpoint", "trace", "sweep_plain"}
@@ -215,6 +217,7 @@ def test_the_corpus_of_cases_that_once_failed_replays_without_a_defect(good):
     assert not defects
 
 
+@pytest.mark.slow
 def test_a_bounded_fuzz_run_finds_no_defect(good):
     results = run(fuzz_files.cases(BOUNDED, 1, good), good)
     outcomes = {r.outcome for r in results}

@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "drivers"))
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.slow
 def test_the_simulated_check_runs_every_kind_of_step_and_reports(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "drivers" / "gpu_check.py"), "--simulate", "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)

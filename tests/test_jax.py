@@ -156,6 +156,7 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, message", [
     ("selection", "[rank 1] topka allreduce failed"),
     ("update", "[rank 1] spar_comm.jax sparse_allreduce update failed"),

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 
 import h5py
+import pytest
 
 from spar_comm import ALGORITHMS, mpi_strings
 from spar_comm.files import text_attributes
 
 
+@pytest.mark.slow
 def test_the_trace_holds_the_librarys_strings_and_analyze_reads_it(run_driver, tmp_path):
     trace = tmp_path / "t.h5"
     result = run_driver("train.py", "--selector", "exact", "--no-progress", "--hidden", "16", "--steps", "3",
@@ -27,6 +29,7 @@ def test_the_trace_holds_the_librarys_strings_and_analyze_reads_it(run_driver, t
     assert "parameters, 3 steps" in analysis.stdout and "bytes/step per rank" in analysis.stdout, analysis.stdout
 
 
+@pytest.mark.slow
 def test_a_benchmark_holds_the_library_and_its_fit_drives_predict(run_driver, tmp_path):
     bench, calibration = tmp_path / "bench.json", tmp_path / "cal.json"
     result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", "4096,16384,65536", "--density", 0.01,

@@ -22,6 +22,7 @@ def figures(stdout: str, name: str) -> list:
     return [float(m) for m in re.findall(rf"{name} (\S+)\n", stdout)]
 
 
+@pytest.mark.slow
 def test_the_gpt_learns_the_standard_library_on_two_ranks(run_driver):
     run = run_driver("train_gpt.py", "--tiny", "--steps", "40", "--eval-every", "20", "--density", "0.1",
                      "--lr", "3e-3", ranks=2, timeout=180)
@@ -31,6 +32,7 @@ def test_the_gpt_learns_the_standard_library_on_two_ranks(run_driver):
     assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0] < math.log(256) + 0.5, losses
 
 
+@pytest.mark.slow
 def test_the_cnn_learns_the_digits_on_two_ranks(run_driver):
     run = run_driver("train_cnn.py", "--width", "8", "--steps", "60", "--eval-every", "60", "--density", "0.1",
                      ranks=2, timeout=180)
@@ -69,6 +71,7 @@ def test_powersgd_bytes_follow_torchs_own_rule():
         assert bench_peers.powersgd_elements(shapes, rank) == (whole, p, q)
 
 
+@pytest.mark.slow
 def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, tmp_path):
     out, png = tmp_path / "peers.json", tmp_path / "peers.png"
     run = run_driver("bench_peers.py", "gpt", "--tiny", "--batch-size", "2", "--ranks-per-node", "1",
@@ -118,6 +121,7 @@ def test_time_to_target_is_the_first_evaluation_that_reaches_it():
     assert [t["steps"] for t in found["to_target"]] == [3, 6, None]
 
 
+@pytest.mark.slow
 def test_bench_peers_times_every_mode_to_its_targets(run_driver, tmp_path):
     out, png = tmp_path / "tta.json", tmp_path / "tta.png"
     targets = [0.12, 0.15]

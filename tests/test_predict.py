@@ -71,6 +71,7 @@ def test_fit_reports_held_out_error_and_its_calibration_drives_predictions(capsy
     assert code == 0 and json.loads(out.out)["best"] in ALGORITHMS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sweep", ["density", "size", "nodes"])
 def test_sweep_prints_break_even_points_and_writes_a_plot(capsys, tmp_path, sweep):
     png = tmp_path / f"{sweep}.png"

@@ -13,6 +13,7 @@ from spar_comm.kernels import select_cuda
 NVCC = shutil.which("nvcc")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
 def test_every_kernel_the_passes_launch_compiles(tmp_path):
     names = select_cuda.kernel_names()

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "drivers"))
 import soak  # noqa: E402
 
 
+@pytest.mark.slow
 def test_a_short_soak_passes_and_leaves_nothing_in_dev_shm(run_driver, tmp_path):
     out = tmp_path / "soak.json"
     result = run_driver("soak.py", "--ranks-per-node", "2", "--steps", "60", "--rebuilds", "2", "--size", "4096",
@@ -37,6 +38,7 @@ def test_growth_is_relative_to_the_start_and_the_worst_rank_counts():
     assert soak.worst(snapshots, "steps") == {"rss_kib": 0.0, "fds": 0.25, "shm_segments": 0.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["--steps", "0"], "--steps: must be >= 1"),
     (["--algorithms", "dense,nope"], "one of"),

@@ -104,6 +104,7 @@ def test_mstopk_recall_against_exact(heavy):
     assert recall(topk(x, LARGE // 1000, "mstopk", N=3), exact_topk(x, LARGE // 1000)) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize(

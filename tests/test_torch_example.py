@@ -25,6 +25,7 @@ def test_the_ddp_example_changes_a_plain_ddp_script_in_a_few_marked_lines():
     assert 3 <= len(marked) <= 5, marked
 
 
+@pytest.mark.slow
 def test_the_example_trains_on_two_ranks():
     run = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(SCRIPT), "--algorithm", "hitopk",
                           "--epochs", "3", "--density", "0.1"], cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -35,6 +36,7 @@ def test_the_example_trains_on_two_ranks():
     assert accuracy > 0.5, run.stdout  # ten classes: chance is 0.1
 
 
+@pytest.mark.slow
 def test_bench_overlap_writes_its_table_and_json(tmp_path):
     out = tmp_path / "overlap.json"
     run = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(ROOT / "drivers" / "bench_overlap.py"),
@@ -49,6 +51,7 @@ def test_bench_overlap_writes_its_table_and_json(tmp_path):
     assert "hidden" in run.stdout
 
 
+@pytest.mark.slow
 def test_bench_overlap_refuses_a_bad_algorithm():
     run = subprocess.run([sys.executable, str(ROOT / "drivers" / "bench_overlap.py"), "--algorithms", "nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)

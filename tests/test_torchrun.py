@@ -47,6 +47,7 @@ def torchrun(ranks: int, *args: str, limit: float = 90) -> dict:
     return lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", [True, False], ids=["torch.distributed initialised", "only torchrun's WORLD_SIZE"])
 def test_every_way_in_refuses_a_world_of_one_on_every_rank(init):
     lines = torchrun(2, *(["--init"] if init else []))
@@ -63,6 +64,7 @@ def test_every_way_in_refuses_a_world_of_one_on_every_rank(init):
         assert (rank, "gradient") not in lines  # no DDP step ran on a hook over a world of one
 
 
+@pytest.mark.slow
 def test_a_torchrun_job_of_one_rank_is_its_own_world():
     lines = torchrun(1, "--init")
     for call in CALLS:

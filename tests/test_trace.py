@@ -35,6 +35,7 @@ def traces(tmp_path_factory):
     return paths
 
 
+@pytest.mark.slow
 def test_trace_holds_every_dataset_and_attribute_of_the_design(traces):
     with h5py.File(traces[0], "r") as f:
         for name in ROOT_ATTRIBUTES:
@@ -99,6 +100,7 @@ def test_analyze_prints_the_breakdown_and_the_comparison(traces):
         assert needle in result.stdout
 
 
+@pytest.mark.slow
 def test_analyze_writes_json_png_and_chrome_events(traces, tmp_path):
     png, chrome = tmp_path / "b.png", tmp_path / "c.json"
     result = analyze(*map(str, traces), "--json", "--plot", str(png), "--chrome", str(chrome), "--steps", "5:8")

@@ -41,6 +41,7 @@ def datasets(path: Path) -> dict:
     return found
 
 
+@pytest.mark.slow
 def test_the_gpu_path_trains_to_the_bits_of_the_cpu(tmp_path):
     """--device gpu-simulator: the allreduce on the GPU path (device kernels
     under the simulator, MPI through host staging) ends with the checkpoint of
@@ -57,6 +58,7 @@ def test_the_gpu_path_trains_to_the_bits_of_the_cpu(tmp_path):
         assert np.array_equal(cpu[name], gpu[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks, ranks_per_node, algorithm", [(2, 1, "hitopk"), (3, 2, "gtopk"), (2, 2, "powersgd")])
 def test_stop_after_then_resume_gives_the_same_bits(tmp_path, ranks, ranks_per_node, algorithm):
     common = [*FAST, "--steps", "40", "--ranks-per-node", str(ranks_per_node), "--algorithm", algorithm, "--trace", ""]
@@ -79,6 +81,7 @@ def test_stop_after_then_resume_gives_the_same_bits(tmp_path, ranks, ranks_per_n
     assert full.stdout.split("|")[0] == second.stdout.split("|")[0]  # the same held-out accuracy
 
 
+@pytest.mark.slow
 def test_resume_with_the_aids_crosses_a_density_rebuild_to_the_same_bits(tmp_path):
     """Momentum correction, masking, clipping and a density warm-up: the run stops
     between two rebuilds of the allreducer and resumes to the bits of one that
@@ -104,6 +107,7 @@ def test_resume_with_the_aids_crosses_a_density_rebuild_to_the_same_bits(tmp_pat
     assert len(set(density)) == 4  # rebuilds at steps 14, 28 and 42; the stop at 20 falls between two
 
 
+@pytest.mark.slow
 def test_an_accordion_run_switches_density_and_resumes_mid_epoch_to_the_same_bits(tmp_path):
     """Accordion's state (the epoch's accumulated update, the last norm, the
     density) goes through the checkpoint: a run stopped inside an epoch resumes
@@ -133,6 +137,7 @@ def test_an_accordion_run_switches_density_and_resumes_mid_epoch_to_the_same_bit
     assert by_epoch[2] == {0.01}  # the stop at step 50 falls inside the first epoch at the target
 
 
+@pytest.mark.slow
 def test_index_codecs_are_lossless_and_value_codecs_resume_to_the_same_bits(tmp_path):
     """--indices auto gives the bits of int32 positions; an int8 run stopped and
     resumed gives the bits of one that never stopped (the rounding lives in
@@ -152,6 +157,7 @@ def test_index_codecs_are_lossless_and_value_codecs_resume_to_the_same_bits(tmp_
         assert np.array_equal(a[name], b[name]) and np.array_equal(a[name], c[name]), name
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_settings(tmp_path):
     ckpt = str(tmp_path / "c.h5")
     assert run_train(2, [*FAST, "--steps", "5", "--trace", "", "--checkpoint", ckpt]).returncode == 0
@@ -175,6 +181,7 @@ def test_resume_refuses_changed_settings(tmp_path):
         (["--trace", "/proc/no/such/t.h5"], "cannot write the trace /proc/no/such/t.h5"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_message_and_keeps_the_trace(tmp_path, args, message):
     trace = tmp_path / "t.h5"
     trace.write_bytes(b"an earlier run's trace")
@@ -206,6 +213,7 @@ def failing_job(folder: Path, rank: int, call: int, args: List[str]) -> Path:
     return wrapper
 
 
+@pytest.mark.slow
 def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
     wrapper = failing_job(tmp_path, rank=1, call=5, args=[*FAST, "--trace", "", "--steps", "50"])
     result = run_train(3, [], script=str(wrapper))
@@ -214,6 +222,7 @@ def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
     assert "[rank 1] train.py failed:" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path):
     common = [*FAST, "--steps", "40", "--ranks-per-node", "1"]
     full = run_train(2, [*common, "--trace", "", "--checkpoint", str(tmp_path / "full.h5")])
@@ -232,6 +241,7 @@ def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path):
     assert np.array_equal(read_trace(trace).data["step"], np.arange(40))
 
 
+@pytest.mark.slow
 def test_sigusr1_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     ckpt, trace = tmp_path / "c.h5", tmp_path / "t.h5"
     args = [*FAST, "--epochs", "10000", "--checkpoint", str(ckpt), "--trace", str(trace)]
@@ -251,6 +261,7 @@ def test_sigusr1_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
         assert f["step"][-1] == step - 1 and len(f["step"]) == step
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_rank_ends_the_job_and_keeps_the_trace(tmp_path):
     trace = tmp_path / "t.h5"
     args = [*FAST, "--epochs", "10000", "--trace", str(trace)]
