@@ -46,7 +46,7 @@ from numba import config, cuda
 
 from .magnitude import SAMPLE, float_layout
 from .mstopk import checked_steps
-from .selection import check_input, namespace
+from .selection import check_input, namespace, register
 from .threshold import adapted_margin, checked_margin, key_to_value
 
 #: Threads per block, consecutive elements each thread owns in a tile, and
@@ -420,19 +420,12 @@ class ThresholdWarm(Threshold):
         return positions
 
 
-#: Method name -> factory of a device selector, as ``selection.register`` names them.
+#: Method name -> factory of a device selector, as the host methods are named.
 METHODS = {
     "exact": lambda: exact,
     "mstopk": lambda N=30: functools.partial(mstopk, N=checked_steps(N)),
     "threshold": Threshold,
     "threshold_warm": ThresholdWarm,
 }
-
-
-def device_topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
-    """Positions of the ``min(k, n)`` entries of largest magnitude of a device
-    array (NumPy under the simulator), ascending: the CPU contract."""
-    check_input(x, k)
-    if method not in METHODS:
-        raise ValueError(f"unknown top-k method {method!r}; known on the device: {', '.join(sorted(METHODS))}")
-    return METHODS[method](**options)(x, k)
+for _name, _factory in METHODS.items():
+    register(_name, _factory, exact=True, device=True)

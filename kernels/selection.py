@@ -13,10 +13,15 @@ A *selector* is a callable ``selector(x, k) -> indices`` made by
 ``make_selector(method, **options)``. Stateless methods are plain functions;
 a stateful method (one that warm-starts from the previous call) gives each
 call site its own object, so the allreducers keep one selector per shard.
+
+This module holds the contract and one registry of methods, for the host
+(``mstopk.py``, ``threshold.py``, ``exact`` below) and the device
+(``device_select.py``, registered when it is imported); it imports none of
+them. The package's ``topk`` and ``make_selector`` dispatch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Protocol
+from typing import Any, Callable, Dict, Protocol, Tuple
 
 import numpy as np
 
@@ -27,26 +32,28 @@ class Selector(Protocol):
     def __call__(self, x: Any, k: int) -> Any: ...
 
 
-# name -> (factory(**options) -> Selector, returns the exact top-k set)
-_REGISTRY: Dict[str, tuple[Callable[..., Selector], bool]] = {}
+# (name, on the device) -> factory(**options) -> Selector
+_REGISTRY: Dict[Tuple[str, bool], Callable[..., Selector]] = {}
 
-#: Every registered method name mapped to True when it returns the exact top-k set.
+#: Every host method's name mapped to True when it returns the exact top-k set.
 SELECTORS: Dict[str, bool] = {}
 
 
-def register(name: str, factory: Callable[..., Selector], exact: bool) -> None:
-    """Add a method: ``factory(**options)`` must return a fresh selector."""
-    _REGISTRY[name] = (factory, exact)
-    SELECTORS[name] = exact
+def register(name: str, factory: Callable[..., Selector], exact: bool, device: bool = False) -> None:
+    """Add a method: ``factory(**options)`` must return a fresh selector, of
+    host arrays, or with ``device`` of device arrays (every device method is
+    exact)."""
+    _REGISTRY[(name, device)] = factory
+    if not device:
+        SELECTORS[name] = exact
 
 
-def make_selector(method: str = "mstopk", **options: Any) -> Selector:
-    """A selector for ``method``; call it once per call site (it may hold state)."""
-    if method not in _REGISTRY:
-        raise ValueError(
-            f"unknown top-k method {method!r}; known methods: {', '.join(sorted(_REGISTRY))}"
-        )
-    return _REGISTRY[method][0](**options)
+def selector_of(method: str, device: bool, **options: Any) -> Selector:
+    """A fresh selector of a registered ``method``; ValueError naming the known ones."""
+    if (method, device) not in _REGISTRY:
+        known = ", ".join(sorted(name for name, on_device in _REGISTRY if on_device == device))
+        raise ValueError(f"unknown top-k method {method!r}; known {'on the device' if device else 'methods'}: {known}")
+    return _REGISTRY[(method, device)](**options)
 
 
 def check_input(x: Any, k: int) -> None:
@@ -74,18 +81,6 @@ def namespace(x: Any) -> Any:
 
         return cupy
     return np
-
-
-def topk(x: Any, k: int, method: str = "mstopk", **options: Any) -> Any:
-    """Positions of the ``min(k, x.size)`` entries of largest magnitude, ascending:
-    NumPy indices of a NumPy array, CuPy indices of a CuPy array (selected on
-    its device by ``device_select``, which needs numba-cuda)."""
-    check_input(x, k)
-    if is_cupy(x):
-        from .device_select import device_topk
-
-        return device_topk(x, k, method, **options)
-    return make_selector(method, **options)(x, k)
 
 
 def exact_topk(x: np.ndarray, k: int) -> np.ndarray:

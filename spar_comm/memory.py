@@ -152,11 +152,7 @@ class GpuMemory(HostMemory):
         return bool(self.xp.isfinite(x).all())  # a reduction on the device, one flag back
 
     def selector(self, method: str, options: Dict[str, Any]) -> kernels.Selector:
-        from .kernels import device_select
-
-        if method not in device_select.METHODS:
-            raise ValueError(f"no GPU kernel for {method!r}; on the GPU: {', '.join(sorted(device_select.METHODS))}")
-        return device_select.METHODS[method](**options)
+        return kernels.make_selector(method, device=True, **options)
 
     def now(self) -> float:
         self.synchronize()

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 device_select = pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
+from spar_comm import kernels  # noqa: E402
 from spar_comm.kernels.selection import exact_topk  # noqa: E402
 
 METHODS = sorted(device_select.METHODS)
@@ -40,7 +41,7 @@ def on_device(x):
 
 
 def topk(x, k, method, **options):
-    got = device_select.device_topk(on_device(x), k, method, **options)
+    got = kernels.topk(on_device(x), k, method, device=True, **options)
     assert CUPY is None or isinstance(got, CUPY.ndarray)  # selected on the device, answered there
     return got if CUPY is None else CUPY.asnumpy(got)
 
@@ -52,6 +53,7 @@ def check(x, k, method, **options):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_random_gradients_across_several_tiles(method, dtype):
@@ -61,6 +63,7 @@ def test_random_gradients_across_several_tiles(method, dtype):
         check(x, k, method)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_ties_go_to_the_lowest_positions(method):
     x = np.zeros(2 * TILE + 5, np.float32)
@@ -71,6 +74,7 @@ def test_ties_go_to_the_lowest_positions(method):
     assert check(np.zeros(TILE, np.float32), 4, method).tolist() == [0, 1, 2, 3]  # all equal: the first k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_nan_ranks_above_inf_above_every_number(method):
     x = np.linspace(-1, 1, TILE + 3).astype(np.float32)
@@ -82,6 +86,7 @@ def test_nan_ranks_above_inf_above_every_number(method):
     assert check(everything, 2, method).tolist() == [0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_k_at_or_beyond_the_size_takes_everything(method):
     x = np.arange(100, dtype=np.float32)
@@ -90,6 +95,7 @@ def test_k_at_or_beyond_the_size_takes_everything(method):
     check(x, 99, method)
 
 
+@pytest.mark.slow
 def test_fewer_than_k_above_the_mean_is_still_exact():
     """The published MSTopK fills such a k from below the mean regardless of
     magnitude; ours falls back to an exact pick."""
@@ -114,6 +120,7 @@ def test_the_warm_start_adapts_its_margin_and_stays_exact():
         device_select.ThresholdWarm(margin=1.5)
 
 
+@pytest.mark.slow
 def test_the_selector_objects_check_their_input_too():
     x = on_device(np.arange(50, dtype=np.float32))
     for selector in (device_select.Threshold(), device_select.ThresholdWarm()):
@@ -121,21 +128,22 @@ def test_the_selector_objects_check_their_input_too():
         with pytest.raises(ValueError, match="k must be >= 1"):
             selector(x, 0)
     with pytest.raises(ValueError, match="N \\(bisection steps\\) must be an integer >= 1"):
-        device_select.device_topk(x, 3, "mstopk", N=0)
-    assert device_select.device_topk(x, 3, "mstopk", N=6).tolist() == [47, 48, 49]
+        kernels.topk(x, 3, "mstopk", N=0, device=True)
+    assert kernels.topk(x, 3, "mstopk", N=6, device=True).tolist() == [47, 48, 49]
     for N in (1, 2, 7):  # a short bisection leaves a wide band: still the exact set
         check(np.linspace(-1, 1, 3 * TILE + 1).astype(np.float32), 40, "mstopk", N=N)
 
 
 def test_bad_input_is_refused_with_a_message():
     with pytest.raises(ValueError, match="k must be >= 1"):
-        device_select.device_topk(np.ones(4, np.float32), 0)
+        kernels.topk(np.ones(4, np.float32), 0, device=True)
     with pytest.raises(ValueError, match="unknown top-k method 'sort'"):
-        device_select.device_topk(np.ones(4, np.float32), 1, "sort")
+        kernels.topk(np.ones(4, np.float32), 1, "sort", device=True)
     with pytest.raises(TypeError, match="float16, float32 or float64"):
-        device_select.device_topk(np.ones(40, np.int32), 1, "exact")
+        kernels.topk(np.ones(40, np.int32), 1, "exact", device=True)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(2, 600), k=st.integers(1, 40), seed=st.integers(0, 2**16),
        method=st.sampled_from(METHODS), levels=st.sampled_from([None, 3]))
