@@ -90,7 +90,6 @@ from spar_comm import ALGORITHMS, Topology, retain_freed_memory, waiting  # noqa
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.costmodel.auto import describe as describe_priced  # noqa: E402
 from spar_comm.files import write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E402
@@ -361,7 +360,7 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Na
                                    bucket_cap_mb=args.bucket_cap_mb, values=values, indices=indices, dense=small)
     chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
-                  f"chose {chosen} ({describe_priced(topology)})" if mode == "spar_auto" else "",
+                  f"chose {chosen} ({opt.pricing.describe()})" if mode == "spar_auto" else "",
                   lambda: phases_of(opt), mode in SPINNING)
 
 

@@ -6,7 +6,8 @@
     mean_grad = ar.allreduce(flat_grad)           # identical bits on every rank
 """
 from .allocator import retain_freed_memory
-from .collectives import ALGORITHMS, Allreducer, make_allreducer, selection_size
+from .collectives import ALGORITHMS, Allreducer, selection_size
+from .costmodel.auto import make_allreducer  # the allreducers' own, with algorithm="auto" resolved above them
 from .collectives.feedback import Residual
 from .errors import ConfigError, GradientError, NonFiniteGradientError, SparCommError
 from .topology import Topology

@@ -25,7 +25,8 @@ import optax
 from jax.experimental import io_callback
 from jax.flatten_util import ravel_pytree
 
-from .collectives import Allreducer, make_allreducer
+from .collectives import Allreducer
+from .costmodel.auto import make_allreducer
 from .collectives.checks import DTYPES
 from .collectives.feedback import Residual
 from .consensus import raise_if_any
@@ -92,8 +93,9 @@ def sparse_allreduce(
         raise_if_any(topology.world, mismatch and f"the parameters differ from rank 0's: {mismatch}")
         size = sum(math.prod(shape) for _, shape, _ in leaves)
         dtype = leaves[0][2] if leaves else "float32"
-        reducer = make_allreducer(algorithm, topology, size, dtype, density, selector, error_feedback, average,
-                                  selector_options, values=values, indices=indices, **options)
+        reducer = make_allreducer(algorithm, topology, size, dtype, density, selector, error_feedback=error_feedback,
+                                  average=average, selector_options=selector_options, values=values, indices=indices,
+                                  **options)
         if bound.reducer is not None:  # a jitted step traced before still works with it
             bound.reducer.free()
         bound.reducer, bound.leaves = reducer, leaves

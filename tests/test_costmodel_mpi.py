@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from mpi_helpers import assert_all, assert_identical_bits
 from test_train_runs import datasets
-from spar_comm import ALGORITHMS, ConfigError, SparCommError, Topology, make_allreducer
+from spar_comm import ALGORITHMS, ConfigError, SparCommError, Topology, collectives, make_allreducer
 from spar_comm.costmodel import CPU, GPU, auto, gbps_to_beta, probe
 from spar_comm.costmodel.auto import ENV_CALIBRATION
 from spar_comm.training.config import TrainConfig
@@ -65,6 +65,29 @@ def test_an_unreadable_calibration_is_refused_on_every_rank(monkeypatch):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_the_allreducers_themselves_take_concrete_names_only(topology):
+    with pytest.raises(ConfigError, match="algorithm='auto' is the cost model's choice.*spar_comm.make_allreducer"):
+        collectives.make_allreducer("auto", topology, 1000)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_one_pricing_serves_every_choice_and_prices_nothing_again(topology, monkeypatch):
+    """A job prices once and chooses from the value it holds: with it, no
+    further timing, and the same choice as pricing anew would give."""
+    monkeypatch.delenv(ENV_CALIBRATION, raising=False)
+    pricing = auto.price(topology)
+
+    def untimed(*args):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(probe, "link", untimed)
+    monkeypatch.setattr(probe, "shared_cores", untimed)
+    for size in (64, 300_000):
+        chosen = make_allreducer("auto", topology, size, density=0.001, pricing=pricing).name
+        assert_all(COMM, chosen == pricing.choose(size, "float32", 0.001, "mstopk"), f"{size}: chose {chosen}")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_auto_with_bad_settings_raises_the_usual_config_error(topology):
     failed = False
     try:
@@ -79,11 +102,12 @@ def test_auto_prices_one_machine_on_every_rank_with_the_link_it_timed(topology, 
     """Without a calibration: the preset, with the link between nodes as the
     probe timed it (shared memory here: positive and finite, and not the
     preset's 25 Gbit/s to the last bit) and the preset's kept on one node;
-    identical on every rank, and measured once per topology."""
+    identical on every rank, a value that goes through its state unchanged."""
     monkeypatch.delenv(ENV_CALIBRATION, raising=False)
     fresh = Topology(ranks_per_node=topology.emulated_ranks_per_node)
-    machine, cluster = auto.priced(fresh)
-    assert auto.priced(fresh)[0] is machine
+    pricing = auto.price(fresh)
+    machine, cluster = pricing.machine, pricing.cluster
+    assert auto.resumed(fresh, json.loads(json.dumps(pricing.to_state()))) == pricing
     assert_all(COMM, (cluster.nodes, cluster.ranks_per_node) == (fresh.num_nodes, max(fresh.node_sizes)),
                f"shape {cluster}")
     figures = json.dumps(machine.to_dict(), sort_keys=True)
@@ -133,7 +157,8 @@ def test_a_calibration_names_the_link_and_nothing_is_timed(tmp_path_factory, mon
     monkeypatch.setattr(probe, "link", untimed)
     monkeypatch.setattr(probe, "shared_cores", untimed)
     topo = Topology(ranks_per_node=1)
-    machine, cluster = auto.priced(topo)
+    pricing = auto.price(topo)
+    machine, cluster = pricing.machine, pricing.cluster
     assert_all(COMM, machine == slow and cluster.cores is None, f"priced {machine}, {cluster}")
     topo.free()
 

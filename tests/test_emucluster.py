@@ -65,9 +65,9 @@ from spar_comm import Topology
 from spar_comm.costmodel import auto
 os.environ.pop(auto.ENV_CALIBRATION, None)
 topology = Topology()  # no emulation: the hosts are found by shared memory
-machine, cluster = auto.priced(topology)
+pricing = auto.price(topology)
 if topology.world.rank == 0:
-    print(8 / machine.beta_inter / 1e9, machine.alpha_inter, cluster.cores)
+    print(8 / pricing.machine.beta_inter / 1e9, pricing.machine.alpha_inter, pricing.cluster.cores)
 """
 
 

@@ -1,5 +1,6 @@
 """The package's import graph, read from the source (imports inside functions
-included): the kernels import each other in one direction only."""
+included): the kernels import each other in one direction only, and the
+allreducers know nothing of the cost model that chooses among them."""
 from __future__ import annotations
 
 import ast
@@ -48,3 +49,13 @@ def test_the_kernels_have_no_import_cycle():
     graph = relative_imports(ROOT / "kernels")
     assert "device_select" in graph["__init__"] and "selection" in graph["device_select"]  # the graph was read
     assert cycles(graph) == []
+
+
+def test_the_collectives_import_nothing_of_the_cost_model_above_them():
+    imported = set()
+    for source in (ROOT / "spar_comm" / "collectives").glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                imported.add((node.module or "").split(".")[0] or node.names[0].name)
+    assert "consensus" in imported  # the imports were read
+    assert "costmodel" not in imported

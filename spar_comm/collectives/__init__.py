@@ -1,7 +1,7 @@
 """The allreduce algorithms, one module each, behind one interface."""
 from __future__ import annotations
 
-from typing import Any, Dict, Type
+from typing import Any, Dict, Optional, Type
 
 from ..consensus import raise_if_any, require_same
 from ..topology import Topology
@@ -31,8 +31,16 @@ ALGORITHMS: Dict[str, Type[Allreducer]] = {
     )
 }
 
-#: The algorithm name that lets the cost model choose.
+#: The algorithm name that lets the cost model choose, above the allreducers
+#: (``spar_comm.costmodel.auto``; ``spar_comm.make_allreducer`` takes it).
 AUTO = "auto"
+
+
+def unknown_algorithm(algorithm: Any) -> Optional[str]:
+    """Why ``algorithm`` names no allreducer (nor ``auto``), or None."""
+    if algorithm == AUTO or (isinstance(algorithm, str) and algorithm in ALGORITHMS):
+        return None
+    return f"unknown algorithm {algorithm!r}; known: {', '.join([*ALGORITHMS, AUTO])}"
 
 
 def make_allreducer(
@@ -54,8 +62,8 @@ def make_allreducer(
 
     Collective: every rank of ``topology.world`` must call it. Settings are
     compared across ranks, and any bad or disagreeing setting raises
-    ConfigError on every rank. ``algorithm="auto"`` takes the one the cost
-    model predicts fastest for this topology and size (``spar_comm.costmodel.auto``).
+    ConfigError on every rank. ``algorithm`` is one of ``ALGORITHMS``:
+    ``"auto"`` is the cost model's to resolve (``spar_comm.make_allreducer``).
     ``shared_buffer=True`` puts ``.buffer`` in the node's shared memory where
     the algorithm can read it without a copy (see ``Allreducer.buffer``).
     ``values`` narrows the values of the (index, value) pairs on the wire
@@ -65,15 +73,12 @@ def make_allreducer(
     ``options`` are an algorithm's own settings (``powersgd``: ``rank``,
     ``shapes``); another algorithm refuses them.
     """
-    known = isinstance(algorithm, str) and (algorithm == AUTO or algorithm in ALGORITHMS)
-    problem = None if known else f"unknown algorithm {algorithm!r}; known: {', '.join([*ALGORITHMS, AUTO])}"
+    problem = unknown_algorithm(algorithm)
+    if algorithm == AUTO:
+        problem = ("algorithm='auto' is the cost model's choice, made above the allreducers: call "
+                   "spar_comm.make_allreducer (spar_comm.costmodel.auto.make_allreducer)")
     raise_if_any(topology.world, problem)
     require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
-    if algorithm == AUTO:  # collective: every rank reaches it, and picks the same
-        from ..costmodel.auto import choose  # the cost model builds on this package
-
-        algorithm = choose(topology, size, dtype, density, selector, values=values, indices=indices)
-        require_same(topology.world, "auto's choice", {"algorithm": algorithm})  # never two allreducers at once
     cls = ALGORITHMS[algorithm]
     return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer,
                values, indices, options)

@@ -1,33 +1,86 @@
 """``algorithm="auto"``: the allreducer the model predicts fastest, chosen alike on every rank.
 
-The choice is a pure function of the cluster's shape, the size, dtype,
-density, selector and the machine figures. Every rank holds the size, dtype,
-density and selector identically (make_allreducer checks them across ranks);
-the shape and the figures are made once per topology and broadcast
-(``priced``): the calibration named by ``SPAR_COMM_CALIBRATION``, read on
+What ``auto`` prices is a value, ``Pricing``: the machine figures and the
+cluster's shape, identical on every rank. ``price`` makes it once for a job
+(collective): the calibration named by ``SPAR_COMM_CALIBRATION``, read on
 rank 0 alone, whose figures hold whatever crowding of cores it was measured
 under; without one, the built-in CPU preset (this package's kernels select
 on the host) with the link between nodes as ``probe.link`` times it and as
-many cores as ``probe.shared_cores`` finds where ranks share them.
+many cores as ``probe.shared_cores`` finds where ranks share them. A
+checkpoint keeps it (``to_state``), so that a resumed run chooses as the run
+it continues did (``from_state``). ``Pricing.choose`` is then a pure
+function of the bucket: the allreducers below never see ``auto``.
 """
 from __future__ import annotations
 
 import os
-import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..consensus import raise_if_any
+from .. import collectives
+from ..collectives import AUTO, Allreducer
+from ..consensus import raise_if_any, require_same
 from ..topology import Topology
 from . import calibrate, fastest, predict, probe
 from .machine import CPU, Cluster, Machine, beta_to_gbps
 
 ENV_CALIBRATION = "SPAR_COMM_CALIBRATION"
 
-#: topology -> what ``priced`` found for it. Every rank makes and drops a
-#: topology together, so every rank finds or misses it alike.
-_PRICED: "weakref.WeakKeyDictionary[Topology, Tuple[Machine, Cluster]]" = weakref.WeakKeyDictionary()
+
+@dataclass(frozen=True)
+class Pricing:
+    """The figures and the cluster shape ``auto`` prices with."""
+
+    machine: Machine
+    cluster: Cluster
+
+    def choose(self, size: Any, dtype: Any, density: Any, selector: Any, values: Optional[str] = None,
+               indices: Optional[str] = None) -> str:
+        """The fastest algorithm for a bucket; with codecs (``values``,
+        ``indices``), the fastest of those that take them. Settings the
+        allreducers would refuse get ``dense``, whose constructor then raises
+        the same ConfigError on every rank."""
+        try:
+            valid = int(size) >= 1 and 0 < float(density) <= 1 and selector in self.machine.select
+            if valid:
+                return fastest(predict(self.cluster, int(size), self.machine, np.dtype(dtype).name,
+                                       float(density), selector, values=values, indices=indices))
+        except (TypeError, ValueError, OverflowError):
+            pass
+        return "dense"
+
+    def describe(self) -> str:
+        """What is priced, in a few words."""
+        link = (f"{beta_to_gbps(self.machine.beta_inter):.3g} Gbit/s between nodes" if self.cluster.nodes > 1
+                else "one node")
+        return link + (f", {self.cluster.ranks} ranks on {self.cluster.cores} cores" if self.cluster.cores else "")
+
+    def to_state(self) -> Dict[str, Any]:
+        """As JSON-able data, for a checkpoint."""
+        return {"machine": self.machine.to_dict(), "cores": self.cluster.cores}
+
+
+def from_state(saved: Mapping[str, Any]) -> Tuple[Machine, Optional[int]]:
+    """The figures and cores of what ``Pricing.to_state`` gave; KeyError,
+    TypeError or ValueError on a malformed ``saved``."""
+    cores = saved["cores"]
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"cores {cores!r}")
+    return Machine.from_dict(saved["machine"]), cores
+
+
+def resumed(topology: Topology, saved: Mapping[str, Any]) -> Pricing:
+    """The pricing a checkpoint kept (``Pricing.to_state``), on ``topology``'s
+    shape: a resumed run chooses as the run it continues did, whatever the
+    link times now. Every rank must pass the same ``saved``."""
+    machine, cores = from_state(saved)
+    return Pricing(machine, _cluster(topology, cores))
+
+
+def _cluster(topology: Topology, cores: Optional[int]) -> Cluster:
+    return Cluster(topology.num_nodes, max(topology.node_sizes), cores)
 
 
 def shared_machine(topology: Topology) -> Tuple[Machine, bool]:
@@ -47,71 +100,37 @@ def shared_machine(topology: Topology) -> Tuple[Machine, bool]:
     return Machine.from_dict(figures), calibrated
 
 
-def priced(topology: Topology) -> Tuple[Machine, Cluster]:
-    """The figures and the shape ``auto`` prices for ``topology``, identical
-    on every rank (collective; measured on the first call for a topology)."""
-    known = _PRICED.get(topology)
-    if known is None:
-        machine, calibrated = shared_machine(topology)
-        nodes, per_node = topology.num_nodes, max(topology.node_sizes)
-        cores = None
-        if not calibrated:
-            timed = probe.link(topology)
-            if timed is not None:
-                machine = machine.replace(alpha_inter=timed[0], beta_inter=timed[1])
-            cores = probe.shared_cores(topology, nodes * per_node)
-        cluster = Cluster(nodes, per_node, cores)
-        known = _PRICED[topology] = (machine, cluster)
-    return known
+def price(topology: Topology) -> Pricing:
+    """What ``auto`` prices on ``topology``, identical on every rank
+    (collective; without a calibration it times the link, so make it once a job)."""
+    machine, calibrated = shared_machine(topology)
+    cores = None
+    if not calibrated:
+        timed = probe.link(topology)
+        if timed is not None:
+            machine = machine.replace(alpha_inter=timed[0], beta_inter=timed[1])
+        cores = probe.shared_cores(topology, topology.num_nodes * max(topology.node_sizes))
+    return Pricing(machine, _cluster(topology, cores))
 
 
-def state(topology: Topology) -> Dict[str, Any]:
-    """What ``priced`` holds for ``topology``, as JSON-able data for a
-    checkpoint (collective on a topology's first call, as ``priced``)."""
-    machine, cluster = priced(topology)
-    return {"machine": machine.to_dict(), "cores": cluster.cores}
-
-
-def from_state(saved: Mapping[str, Any]) -> Tuple[Machine, Optional[int]]:
-    """The figures and cores that ``state`` gave; KeyError, TypeError or
-    ValueError on a malformed ``saved``."""
-    cores = saved["cores"]
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
-        raise ValueError(f"cores {cores!r}")
-    return Machine.from_dict(saved["machine"]), cores
-
-
-def adopt(topology: Topology, saved: Mapping[str, Any]) -> None:
-    """Price ``topology`` as ``state`` gave, so that a resumed run chooses as
-    the run it resumes did, whatever the link times now. Every rank must pass
-    the same ``saved`` (checked by ``from_state``), before ``auto`` first
-    prices ``topology``."""
-    machine, cores = from_state(saved)
-    _PRICED[topology] = (machine, Cluster(topology.num_nodes, max(topology.node_sizes), cores))
-
-
-def describe(topology: Topology) -> str:
-    """What ``auto`` prices for ``topology``, in a few words (collective on a
-    topology's first call, as ``priced``)."""
-    machine, cluster = priced(topology)
-    link = f"{beta_to_gbps(machine.beta_inter):.3g} Gbit/s between nodes" if cluster.nodes > 1 else "one node"
-    return link + (f", {cluster.ranks} ranks on {cluster.cores} cores" if cluster.cores else "")
-
-
-def choose(topology: Topology, size: Any, dtype: Any, density: Any, selector: Any,
+def choice(topology: Topology, pricing: Pricing, size: Any, dtype: Any, density: Any, selector: Any,
            values: Optional[str] = None, indices: Optional[str] = None) -> str:
-    """The fastest algorithm for this topology and bucket (collective); with
-    codecs (``values``, ``indices``), the fastest of those that take them.
+    """``pricing.choose``, checked to be the same on every rank (collective):
+    never two allreducers at once."""
+    chosen = pricing.choose(size, dtype, density, selector, values=values, indices=indices)
+    require_same(topology.world, "auto's choice", {"algorithm": chosen})
+    return chosen
 
-    Settings the allreducers would refuse get ``dense``, whose constructor
-    then raises the same ConfigError on every rank.
-    """
-    machine, cluster = priced(topology)
-    try:
-        valid = int(size) >= 1 and 0 < float(density) <= 1 and selector in machine.select
-        if valid:
-            return fastest(predict(cluster, int(size), machine, np.dtype(dtype).name, float(density), selector,
-                                   values=values, indices=indices))
-    except (TypeError, ValueError, OverflowError):
-        pass
-    return "dense"
+
+def make_allreducer(algorithm: str, topology: Topology, size: int, dtype: Any = "float32", density: float = 0.001,
+                    selector: str = "mstopk", *, pricing: Optional[Pricing] = None, **settings: Any) -> Allreducer:
+    """``collectives.make_allreducer``, where ``algorithm="auto"`` takes the
+    one ``pricing`` chooses (priced now when not given: pass the job's to
+    price once). Collective."""
+    raise_if_any(topology.world, collectives.unknown_algorithm(algorithm))
+    require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
+    if algorithm == AUTO:
+        pricing = pricing if pricing is not None else price(topology)
+        algorithm = choice(topology, pricing, size, dtype, density, selector, settings.get("values"),
+                           settings.get("indices"))
+    return collectives.make_allreducer(algorithm, topology, size, dtype, density, selector, **settings)

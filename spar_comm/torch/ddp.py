@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives import AUTO, make_allreducer
+from ..collectives import AUTO
+from ..costmodel import auto
 from ..consensus import raise_if_any, require_same
 from ..errors import NonFiniteGradientError, SparCommError
 from ..launch import abort_job
@@ -91,6 +92,7 @@ class HookState:
         self.non_finite, self.grad_scaler = non_finite, grad_scaler
         self._scale = 1.0  # the loss scale the residuals and the carry are in units of
         self.settings = settings  # codecs and the algorithm's own options, for make_allreducer
+        self.pricing: Optional[auto.Pricing] = None  # what algorithm="auto" priced, on the first bucket
         self.topology = topology
         self._comm: MPI.Comm = MPI.COMM_WORLD if topology is None else topology.world
         self._streams: NoStreams = NoStreams() if topology is None else streams_for(topology.memory)
@@ -121,9 +123,7 @@ class HookState:
                 self.topology = Topology(device="gpu" if buffer.is_cuda else "cpu")
                 self._streams = streams_for(self.topology.memory)
             if self.algorithm == AUTO:  # collective: priced here, where every rank's backward waits for it
-                from ..costmodel.auto import priced  # the cost model builds on the collectives
-
-                priced(self.topology)
+                self.pricing = auto.price(self.topology)
             self._thread = threading.Thread(target=self._serve, name="spar_comm-ddp-hook", daemon=True)
             self._thread.start()
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
@@ -202,9 +202,10 @@ class HookState:
         require_same(self.topology.world, f"DDP bucket {job.index}",
                      {"parameters": [(tuple(p.shape), str(p.dtype)) for p in job.params]})
         shapes = {"shapes": [tuple(p.shape) for p in job.params]} if self.algorithm == "powersgd" else {}
-        reducer = make_allreducer(self.algorithm, self.topology, job.buffer.numel(),
-                                  str(job.buffer.dtype).replace("torch.", ""), self.density, self.selector,
-                                  error_feedback=self.error_feedback, **self.settings, **shapes)
+        reducer = auto.make_allreducer(self.algorithm, self.topology, job.buffer.numel(),
+                                       str(job.buffer.dtype).replace("torch.", ""), self.density, self.selector,
+                                       pricing=self.pricing, error_feedback=self.error_feedback, **self.settings,
+                                       **shapes)
         bucket = self.buckets[job.index] = _Bucket(job.params, reducer)
         self._place(bucket)
         return bucket

@@ -46,7 +46,8 @@ import torch
 from mpi4py import MPI
 
 from .. import waiting
-from ..collectives import AUTO, make_allreducer
+from ..collectives import AUTO
+from ..costmodel import auto
 from ..consensus import raise_if_any
 from ..device import device_index
 from ..errors import ConfigError, NonFiniteGradientError, SparCommError
@@ -167,6 +168,8 @@ class _DistributedOptimizer:
         self._scale = 1.0  # the loss scale the residuals are in units of
         self._streams = streams_for(topology.memory)
         self._auto = algorithm == AUTO
+        #: What ``algorithm="auto"`` priced, once for every bucket (None otherwise).
+        self.pricing: Optional[auto.Pricing] = auto.price(topology) if self._auto else None
         world = self.topology.world
         self.backward_passes_per_step = backward_passes_per_step
         planned = _bucket_entries(named, dense, bucket_cap_mb)
@@ -179,9 +182,9 @@ class _DistributedOptimizer:
                 name, settings = algorithm, {"values": values, "indices": indices, **options}
                 if name == "powersgd":
                     settings["shapes"] = [tuple(p.shape) for _, p in entries]  # the layers' matrices
-            reducer = make_allreducer(
+            reducer = auto.make_allreducer(
                 name, self.topology, sum(p.numel() for _, p in entries), _DTYPES[entries[0][1].dtype], density,
-                selector, error_feedback=error_feedback, shared_buffer=True, **settings,
+                selector, pricing=self.pricing, error_feedback=error_feedback, shared_buffer=True, **settings,
             )
             self.buckets.append(_Bucket(index, entries, reducer))
         self._comm = world.Dup()  # this class's own small collectives, never mixed with the allreducers'

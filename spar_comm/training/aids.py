@@ -49,7 +49,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from ..collectives import ALGORITHMS
+from ..collectives import ALGORITHMS, AUTO
+from ..costmodel import auto
 from .config import TrainConfig
 from .density import Fixed
 from .distributed import FusedAllreduce, Group
@@ -129,15 +130,18 @@ class ScheduledAllreduce:
     one when the density changed (a collective: every rank computes the same
     schedule, so all rebuild at the same step) and carrying this rank's
     residual over with ``residual_state``/``load_residual_state``. Dense
-    algorithms keep their one allreducer. ``algorithm="auto"`` is resolved once,
-    at the target density, so the residual's layout never changes.
+    algorithms keep their one allreducer. ``algorithm="auto"`` is resolved once
+    by ``pricing``, at the target density, so the residual's layout never changes.
     """
 
     def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: Fixed,
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, pricing: Optional[auto.Pricing] = None):
         self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
         self.options = options
-        known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # auto: not known before it is built
+        if algorithm == AUTO:
+            codecs = {name: (options or {}).get(name) for name in ("values", "indices")}
+            algorithm = auto.choice(group.topology, pricing, size, dtype, schedule.target, selector, **codecs)
+        known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # unknown: refused when built
         self.density = schedule(0) if known_sparse else schedule.target
         self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector, options)
         self.algorithm = self.current.reducer.name

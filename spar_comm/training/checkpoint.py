@@ -55,7 +55,7 @@ def save_checkpoint(
     ``local_velocity`` is the convergence aids' per-rank velocity (aids.py),
     saved for every rank like the residuals. A ``schedule`` with a
     ``state_dict`` (density.py's Accordion) is saved from rank 0: its state
-    is the same on every rank; so is ``priced`` (``costmodel.auto.state``)."""
+    is the same on every rank; so is ``priced`` (``Pricing.to_state``)."""
     span, residual = reducer.residual()
     shared = reducer.shared_state()  # the same on every rank: rank 0's is saved
     # Pickled gather: once per checkpoint, never on the hot path.
@@ -177,7 +177,7 @@ def read_checkpoint(path: str, rank: int, layout: ParamLayout) -> Saved:
 
 
 def _priced(path: str, text: str) -> dict:
-    """The ``auto_priced`` attribute, checked as ``auto.adopt`` will take it."""
+    """The ``auto_priced`` attribute, checked as ``auto.resumed`` will take it."""
     try:
         priced = json.loads(text)
         auto.from_state(priced)

@@ -129,11 +129,13 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     if config.algorithm == "powersgd":  # rank r over the model's own matrices
         options.update(rank=config.rank, shapes=[model.layout.shapes[name] for name in model.layout.names])
     saved = read_saved(config.checkpoint, group, model.layout) if config.resume else None  # checked whole, once
-    if config.algorithm == AUTO and saved is not None and saved.priced is not None:
-        auto.adopt(topology, saved.priced)  # choose as the run it resumes did, whatever the link times now
+    pricing = None
+    if config.algorithm == AUTO:  # what the run it resumes priced, whatever the link times now; else priced now
+        resuming = saved is not None and saved.priced is not None
+        pricing = auto.resumed(topology, saved.priced) if resuming else auto.price(topology)
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
-                                   options)
-    priced = auto.state(topology) if config.algorithm == AUTO else None  # for the checkpoints
+                                   options, pricing)
+    priced = pricing.to_state() if pricing is not None else None  # for the checkpoints
     aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
 
@@ -146,7 +148,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         group.broadcast(params, xp)
     name = config.algorithm
     if name == AUTO:  # what it chose, and the cluster it priced
-        name = f"auto: {allreduce.algorithm} ({auto.describe(topology)})"
+        name = f"auto: {allreduce.algorithm} ({pricing.describe()})"
     method = f"{name}/{config.selector} density {config.density:g}" if allreduce.sparse else name
     if config.algorithm == "powersgd":
         method += f" rank {config.rank}"
