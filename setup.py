@@ -8,6 +8,7 @@ from setuptools import setup
 setup(
     name="spar_comm",
     version="0.1.0",
+    license="Apache-2.0",
     description="Top-k sparsified gradient allreduce (MSTopK, HiTopKComm) on mpi4py",
     python_requires=">=3.9",
     packages=["spar_comm", "spar_comm.collectives", "spar_comm.costmodel", "spar_comm.kernels", "spar_comm.torch",
