@@ -1,16 +1,21 @@
 #!/usr/bin/env python
 """A plain DistributedDataParallel script whose gradients spar_comm reduces:
 the lines marked ``# spar_comm`` are the whole change (torch.distributed
-started from the MPI launch, and the communication hook).
+started from whichever launcher ran the script, and the communication hook,
+which reduces over torch.distributed's group).
 
+    torchrun --nproc-per-node 4 drivers/train_ddp.py
     mpiexec -n 4 python drivers/train_ddp.py
     mpiexec -n 2 python drivers/train_ddp.py --device cuda --algorithm hitopk --density 0.001
+
+At the end every rank checks that its parameters are rank 0's, bit for bit.
 
 ``--device gpu-simulator`` runs the hook's GPU path on CPU tensors under
 numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1), for tests. The last line
 gives the bytes the last step copied between GPU and host (``bytes_staged``).
 """
 import argparse
+import hashlib
 import time
 
 import torch
@@ -39,7 +44,7 @@ def main():
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     torch.manual_seed(0)
-    sct.init_process_group("gloo")                                                   # spar_comm
+    sct.init_process_group("gloo")                      # from torchrun's or MPI's launch # spar_comm
     device = sct.local_device() if args.device == "cuda" else torch.device("cpu")    # spar_comm
     topology = Topology(device="gpu-simulator") if args.device == "gpu-simulator" else None
 
@@ -57,6 +62,9 @@ def main():
     ddp.register_comm_hook(state, hook)                                              # spar_comm
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
 
+    world = torch.distributed.get_world_size()
+    if torch.distributed.get_rank() == 0:
+        print(f"world size {world}", flush=True)
     started = time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -70,9 +78,15 @@ def main():
         if torch.distributed.get_rank() == 0:
             print(f"epoch {epoch + 1:3d}  loss {loss.item():.4f}  held-out accuracy {accuracy:.4f}", flush=True)
     staged = sum(bucket.reducer.last["bytes_staged"] for bucket in state.buckets.values())
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
+    digests = [None] * world
+    torch.distributed.all_gather_object(digests, digest)
+    if digest != digests[0]:
+        raise SystemExit(f"rank {torch.distributed.get_rank()}: parameters differ from rank 0's")
     if torch.distributed.get_rank() == 0:
         print(f"done: DDP on {device}, {len(state.buckets)} buckets, {time.perf_counter() - started:.1f} s, "
-              f"bytes_staged {staged} in the last step", flush=True)
+              f"bytes_staged {staged} in the last step; parameters identical on all {world} ranks "
+              f"(sha256 {digest[:16]})", flush=True)
     torch.distributed.destroy_process_group()
 
 

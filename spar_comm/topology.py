@@ -80,7 +80,9 @@ class Topology:
             self.local = self.world.Split(color=rank // emulated, key=rank)
         self.emulated_ranks_per_node = emulated
         host = self.local if emulated is None else self.world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        self.local_shares_memory: bool = emulated is None or self._local_within(host)
+        #: "mpi", or "torch" for a torch.distributed group (``torch/transport.py``), which has no MPI windows.
+        self.transport: str = getattr(comm, "transport", "mpi")
+        self.local_shares_memory: bool = self.transport == "mpi" and (emulated is None or self._local_within(host))
         self.local_rank: int = self.local.rank
         self.local_size: int = self.local.size
         #: Where the rank's arrays live; ``memory.index`` is its GPU.

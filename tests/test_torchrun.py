@@ -1,8 +1,9 @@
-"""spar_comm.torch under torchrun, where every process's MPI world is a world
-of one: each way in refuses with ConfigError on every rank, naming both
-worlds, before a gradient is touched (never a silent reduction over one rank);
-a torchrun job of one rank, whose MPI world is its world, runs. Each launch
-has a hard time limit and leaves no process behind."""
+"""spar_comm.torch under torchrun, no MPI launch: over torch.distributed's
+group once it is initialised (every allreducer against the serial reference,
+and a DDP step); before that, or told to use MPI, where every process's MPI
+world is a world of one, each way in refuses with ConfigError on every rank,
+naming both worlds, before a gradient is touched. Each launch has a hard time
+limit and leaves no process behind."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,53 +24,94 @@ CALLS = ["rank", "size", "local_device", "init_process_group", "broadcast_parame
          "DistributedOptimizer", "comm_hook"]
 
 
-def torchrun(ranks: int, *args: str, limit: float = 90) -> dict:
-    """The script's lines under ``torchrun --nproc-per-node ranks``, by rank and call."""
+def torchrun(ranks: int, *args: str, script: Path = SCRIPT, limit: float = 90) -> dict:
+    """The script's lines under ``torchrun --nproc-per-node ranks``, by rank
+    and call (a line of no call is the rank's ``summary``)."""
     marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--standalone", str(SCRIPT), *args]
+               "--standalone", str(script), *args]
     env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
-        output, _ = process.communicate(timeout=limit)
+        output, errors = process.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         kill_marked(marker)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun did not end within {limit} s:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-3000:]
+        output, errors = process.communicate()
+        pytest.fail(f"torchrun did not end within {limit} s:\n{output[-2000:]}\n{errors[-2000:]}")
+    assert process.returncode == 0, output[-2000:] + errors[-2000:]
     lines: dict = {}
     for line in output.splitlines():
         if line.startswith("rank "):
-            rank, name, outcome = line.split(": ", 2)
+            rank, _, rest = line.partition(": ")
+            name, _, outcome = rest.partition(": ") if ": " in rest else ("summary", "", rest)
             lines[(int(rank.split()[1]), name)] = outcome
     return lines
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("init", [True, False], ids=["torch.distributed initialised", "only torchrun's WORLD_SIZE"])
-def test_every_way_in_refuses_a_world_of_one_on_every_rank(init):
-    lines = torchrun(2, *(["--init"] if init else []))
-    source = "torch.distributed's default group" if init else "WORLD_SIZE=2, as torchrun sets it"
+def test_without_torch_distributed_every_way_in_refuses_mpis_world_of_one_on_every_rank():
+    lines = torchrun(2)
     for rank in range(2):
-        for call in CALLS:
+        for call in CALLS + ["comm_hook over MPI"]:
             outcome = lines.get((rank, call), "(no line)")
-            if init and call == "init_process_group":
-                assert outcome == "ConfigError: torch.distributed is already initialised", outcome
-                continue
             assert outcome.startswith("ConfigError: spar_comm.torch."), (rank, call, outcome)
-            assert f"MPI's world of 1 rank, but this torch job has 2 ({source})" in outcome, (rank, call, outcome)
+            assert "MPI's world of 1 rank, but this torch job has 2 (WORLD_SIZE=2, as torchrun sets it)" in outcome
             assert "mpiexec -n 2" in outcome, outcome
         assert (rank, "gradient") not in lines  # no DDP step ran on a hook over a world of one
 
 
 @pytest.mark.slow
+def test_with_torch_distributed_every_way_in_works_over_its_group():
+    """The hook and the optimizer over the gloo group, no MPI launch: after
+    rank 0's weights were broadcast, one DDP step leaves every rank the mean
+    gradient (inputs 1 and 2 on six weights: 6 * 1.5). Forcing MPI instead
+    is refused, naming both worlds."""
+    lines = torchrun(2, "--init")
+    for rank in range(2):
+        assert lines.get((rank, "rank")) == f"ran {rank}" and lines.get((rank, "size")) == "ran 2", lines
+        assert lines.get((rank, "init_process_group")) == "ConfigError: torch.distributed is already initialised"
+        for call in ("local_device", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+                     "comm_hook"):
+            assert lines.get((rank, call)) == "ran", (rank, call, lines.get((rank, call)))
+        refused = lines.get((rank, "comm_hook over MPI"), "(no line)")
+        assert "MPI's world of 1 rank, but this torch job has 2 (torch.distributed's default group)" in refused
+        assert lines.get((rank, "gradient")) == repr(9.0), lines
+
+
+@pytest.mark.slow
 def test_a_torchrun_job_of_one_rank_is_its_own_world():
     lines = torchrun(1, "--init")
-    for call in CALLS:
-        expected = "ConfigError: torch.distributed is already initialised" if call == "init_process_group" else "ran"
-        assert lines.get((0, call)) == expected, (call, lines)
+    expected = {call: "ran" for call in CALLS + ["comm_hook over MPI"]}
+    expected.update(rank="ran 0", size="ran 1", init_process_group="ConfigError: torch.distributed is already initialised")
+    assert {call: lines.get((0, call)) for call in expected} == expected
     # one rank's mean is its own gradient: the input 1.0, six weights
     assert lines.get((0, "gradient")) == repr(6.0), lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_every_allreducer_over_a_gloo_group_matches_the_serial_reference(ranks):
+    """tests/torchrun_allreducers.py: every reproducible algorithm, with and
+    without codecs, on every emulated node layout, to the last bit."""
+    lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_allreducers.py", limit=150)
+    for rank in range(ranks):
+        cases = lines.get((rank, "summary"), "(no line)")
+        assert cases.endswith(" cases, 0 failed") and not cases.startswith("0 "), (rank, cases, lines)
+
+
+@pytest.mark.slow
+def test_the_ddp_example_trains_under_torchrun_with_identical_replicas():
+    """drivers/train_ddp.py, launched as PyTorch users launch: no mpiexec."""
+    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(ROOT / "drivers" / "train_ddp.py"), "--epochs", "2"]
+    env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker)
+    try:
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        kill_marked(marker)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "world size 2" in run.stdout and "parameters identical on all 2 ranks" in run.stdout, run.stdout

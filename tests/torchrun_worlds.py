@@ -1,12 +1,14 @@
 """Run by ``tests/test_torchrun.py`` under torchrun: every way into
 spar_comm.torch, called as a user's script would, each result printed as one
 line, ``rank R: NAME: OUTCOME``. ``--init`` starts torch.distributed (gloo)
-first. Where a call goes on instead of refusing, the script goes on too, as a
-user's would, and prints what the ranks ended up holding after a DDP step."""
+first: spar_comm.torch then works over its group, unless told
+``transport="mpi"``. Where the hook is made, the script goes on as a user's
+would, and prints what the ranks hold after a DDP step."""
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -18,13 +20,19 @@ from spar_comm import ConfigError
 RANK = int(os.environ["RANK"])
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's stdout."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def attempt(name: str, call: Callable[[], object]) -> object:
     try:
         result = call()
     except ConfigError as error:
-        print(f"rank {RANK}: {name}: ConfigError: {error}", flush=True)
+        say(f"rank {RANK}: {name}: ConfigError: {error}")
         return None
-    print(f"rank {RANK}: {name}: ran", flush=True)
+    say(f"rank {RANK}: {name}: ran" + (f" {result!r}" if isinstance(result, int) else ""))
     return result
 
 
@@ -45,12 +53,13 @@ def main() -> None:
     attempt("broadcast_optimizer_state", lambda: sct.broadcast_optimizer_state(optimizer))
     attempt("DistributedOptimizer", lambda: sct.DistributedOptimizer(optimizer, model.named_parameters(),
                                                                       algorithm="dense", density=1.0))
+    attempt("comm_hook over MPI", lambda: sct.comm_hook("dense", density=1.0, transport="mpi"))
     made = attempt("comm_hook", lambda: sct.comm_hook("dense", density=1.0))
     if made is not None and dist.is_initialized():
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(*made)
         ddp(torch.full((1, 6), float(RANK + 1), dtype=torch.float64)).sum().backward()
-        print(f"rank {RANK}: gradient: {model.weight.grad.sum().item()!r}", flush=True)
+        say(f"rank {RANK}: gradient: {model.weight.grad.sum().item()!r}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

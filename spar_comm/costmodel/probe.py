@@ -90,9 +90,10 @@ def _pingpong(leaders: MPI.Comm) -> Tuple[Optional[Tuple[float, float]], Optiona
 
 def link(topology: Topology) -> Optional[Tuple[float, float]]:
     """(alpha_inter, beta_inter) of the link between two nodes, the same on
-    every rank; None on one node (collective). Raises SparCommError on every
-    rank if the timing failed."""
-    if topology.num_nodes < 2:
+    every rank; None on one node, and over a torch.distributed group, whose
+    link this MPI ping-pong does not time (collective). Raises SparCommError
+    on every rank if the timing failed."""
+    if topology.num_nodes < 2 or topology.transport != "mpi":
         return None
     figures, problem = None, None
     if topology.leader != MPI.COMM_NULL:

@@ -43,7 +43,7 @@ from ..topology import Topology
 from .backward_end import EndOfBackward, after_queued
 from .optimizer import non_finite_problem
 from .streams import NoStreams, as_array, as_tensor, streams_for
-from .world import require_job_world
+from .world import job_comm, require_job_world
 
 #: ``HookState.state_dict()["format"]``: bumped when the layout changes.
 HOOK_STATE_FORMAT = 1
@@ -85,7 +85,7 @@ class HookState:
     parameter coordinates (see the module's docstring); both are collective
     and called between iterations."""
 
-    def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology],
+    def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology], comm: Any,
                  error_feedback: bool, non_finite: str, grad_scaler: Any, settings: Dict[str, Any]):
         self.algorithm, self.density, self.selector = algorithm, density, selector
         self.error_feedback = error_feedback
@@ -94,7 +94,7 @@ class HookState:
         self.settings = settings  # codecs and the algorithm's own options, for make_allreducer
         self.pricing: Optional[auto.Pricing] = None  # what algorithm="auto" priced, on the first bucket
         self.topology = topology
-        self._comm: MPI.Comm = MPI.COMM_WORLD if topology is None else topology.world
+        self._comm: Any = comm  # the ranks it works over (``world.job_comm``)
         self._streams: NoStreams = NoStreams() if topology is None else streams_for(topology.memory)
         self.buckets: Dict[int, _Bucket] = {}
         self._coordinates: Dict[int, Coordinate] = {}  # id(parameter) -> coordinate
@@ -120,7 +120,7 @@ class HookState:
         buffer = bucket.buffer()
         if self._thread is None:
             if self.topology is None:  # collective, on every rank's first bucket (index order or not)
-                self.topology = Topology(device="gpu" if buffer.is_cuda else "cpu")
+                self.topology = Topology(self._comm, device="gpu" if buffer.is_cuda else "cpu")
                 self._streams = streams_for(self.topology.memory)
             if self.algorithm == AUTO:  # collective: priced here, where every rank's backward waits for it
                 self.pricing = auto.price(self.topology)
@@ -369,7 +369,8 @@ def _hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks annotations agains
 
 def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: str = "mstopk",
               topology: Optional[Topology] = None, error_feedback: bool = True, non_finite: str = "propagate",
-              grad_scaler: Any = None, values: Optional[str] = None, indices: Optional[str] = None, **options: Any
+              grad_scaler: Any = None, process_group: Any = None, transport: Optional[str] = None,
+              values: Optional[str] = None, indices: Optional[str] = None, **options: Any
               ) -> Tuple[HookState, Callable[[HookState, Any], torch.futures.Future]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's
     buckets averaged by spar_comm's ``algorithm`` (one allreducer per bucket,
@@ -378,8 +379,12 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
     buckets, else on the CPU. ``values``, ``indices`` and ``options`` (the
     algorithm's own, as ``powersgd``'s ``rank``) go to ``make_allreducer``;
     ``powersgd`` gets the bucket's tensor shapes too. Register it before the
-    first backward. Collective over the topology's world (MPI's when none is
-    given): one that is not the torch job's (``world.py``), or a ``non_finite``
+    first backward. The hook reduces over ``topology``'s ranks when given,
+    else over ``process_group`` (default: torch's default group, as torch's
+    own PowerSGD state does, since DDP never hands a hook its group) when
+    torch.distributed is initialised, else over MPI's world;
+    ``transport="mpi"`` keeps MPI (``world.job_comm``). Collective over those
+    ranks: ranks that are not the torch job's (``world.py``), or a ``non_finite``
     other than ``"propagate"`` and ``"raise"``, raises ConfigError here, on
     every rank, and not inside backward, where DDP would not recover.
 
@@ -391,8 +396,9 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
     the iteration: DDP stays usable. Under ``GradScaler`` with error feedback
     pass the scaler as ``grad_scaler``, so that the residuals follow its scale.
     """
-    comm = MPI.COMM_WORLD if topology is None else topology.world
+    comm = topology.world if topology is not None else job_comm(process_group, transport)
     require_job_world(comm, "spar_comm.torch.comm_hook")
     raise_if_any(comm, non_finite_problem(non_finite))
     settings = {"values": values, "indices": indices, **options}
-    return HookState(algorithm, density, selector, topology, error_feedback, non_finite, grad_scaler, settings), _hook
+    state = HookState(algorithm, density, selector, topology, comm, error_feedback, non_finite, grad_scaler, settings)
+    return state, _hook

@@ -55,7 +55,7 @@ from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
-from .world import check_size, require_job_world
+from .world import check_size, job_comm, require_job_world
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "local_device", "rank",
            "size"]
@@ -435,27 +435,31 @@ class _DistributedOptimizer:
 
 
 def rank() -> int:
-    """This process's rank in MPI.COMM_WORLD (for a sampler, or to print once).
-    ConfigError where that world is not the torch job's (``world.py``)."""
-    check_size(MPI.COMM_WORLD, "spar_comm.torch.rank()")
-    return MPI.COMM_WORLD.rank
+    """This process's rank among the ranks spar_comm.torch works over
+    (``world.job_comm``): for a sampler, or to print once. ConfigError where
+    they are not the torch job's."""
+    comm = job_comm()
+    check_size(comm, "spar_comm.torch.rank()")
+    return comm.rank
 
 
 def size() -> int:
-    """The number of ranks in MPI.COMM_WORLD; ConfigError where that world is
-    not the torch job's (``world.py``)."""
-    check_size(MPI.COMM_WORLD, "spar_comm.torch.size()")
-    return MPI.COMM_WORLD.size
+    """The number of ranks spar_comm.torch works over (``world.job_comm``);
+    ConfigError where they are not the torch job's."""
+    comm = job_comm()
+    check_size(comm, "spar_comm.torch.size()")
+    return comm.size
 
 
 def local_device() -> torch.device:
     """This rank's GPU as the GPU path picks it (its place among the ranks of
     its host, modulo the device count), or the CPU when CUDA is not available.
-    Collective over MPI.COMM_WORLD."""
-    require_job_world(MPI.COMM_WORLD, "spar_comm.torch.local_device()")
+    Collective over the ranks spar_comm.torch works over (``world.job_comm``)."""
+    comm = job_comm()
+    require_job_world(comm, "spar_comm.torch.local_device()")
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    host = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.rank)
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     index = device_index(host.rank, torch.cuda.device_count())
     host.Free()
     return torch.device("cuda", index)
@@ -476,6 +480,8 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     error_feedback: bool = True,
     non_finite: str = "propagate",
     grad_scaler: Any = None,
+    process_group: Any = None,
+    transport: Optional[str] = None,
     values: Optional[str] = None,
     indices: Optional[str] = None,
     **options: Any,
@@ -483,7 +489,10 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     """Wrap ``optimizer`` so that ``step()`` applies the mean of every rank's
     gradient, reduced by ``algorithm`` in buckets that overlap backward.
 
-    Collective: every rank calls it with the same model. ``named_parameters``
+    Collective: every rank calls it with the same model. It works over
+    ``topology``'s ranks when given, else over ``process_group`` (default:
+    torch's default group) when torch.distributed is initialised, else over
+    MPI's world; ``transport="mpi"`` keeps MPI (``world.job_comm``). ``named_parameters``
     names the parameters (default ``param.<i>`` in the optimizer's order) and
     its order is the registration order. ``dense`` lists names (or the
     parameters themselves) never to sparsify: embeddings, norms, heads.
@@ -505,13 +514,14 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     MPI world that is not the torch job's (``world.py``), raise ConfigError on
     every rank.
     """
-    require_job_world(MPI.COMM_WORLD if topology is None else topology.world, "spar_comm.torch.DistributedOptimizer")
+    comm = topology.world if topology is not None else job_comm(process_group, transport)
+    require_job_world(comm, "spar_comm.torch.DistributedOptimizer")
     named, problem = _named_parameters(optimizer, named_parameters)
     if problem is None:
         problem = _settings_problem(named, dense, bucket_cap_mb, backward_passes_per_step, non_finite)
-    raise_if_any(MPI.COMM_WORLD if topology is None else topology.world, problem)
+    raise_if_any(comm, problem)
     if topology is None:
-        topology = Topology(device="gpu" if named[0][1].device.type == "cuda" else "cpu")
+        topology = Topology(comm, device="gpu" if named[0][1].device.type == "cuda" else "cpu")
     raise_if_any(topology.world, _device_problem(named, topology.memory))
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls.__new__(cls)
@@ -527,7 +537,7 @@ def broadcast_parameters(module: Any, root: int = 0, comm: Optional[MPI.Comm] = 
     an iterable of (name, tensor)) with ``root``'s, in place. Collective; a
     rank whose tensors differ in name, shape or dtype from root's gets
     ConfigError on every rank, before anything is overwritten."""
-    comm = comm or MPI.COMM_WORLD
+    comm = comm or job_comm()
     require_job_world(comm, "spar_comm.torch.broadcast_parameters")
     named = list(module.state_dict().items()) if isinstance(module, torch.nn.Module) else list(module)
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
@@ -548,7 +558,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
                               comm: Optional[MPI.Comm] = None) -> None:
     """Give every rank ``root``'s optimizer state and hyper-parameters (the
     wrapped optimizer's own; residuals stay each rank's). Collective."""
-    comm = comm or MPI.COMM_WORLD
+    comm = comm or job_comm()
     require_job_world(comm, "spar_comm.torch.broadcast_optimizer_state")
     own = torch.optim.Optimizer.state_dict(optimizer) if comm.rank == root else None
     state = comm.bcast(own, root=root)  # pickled: once, at start-up

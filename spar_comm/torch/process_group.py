@@ -82,18 +82,23 @@ def init_methods(comm: MPI.Comm, count: int, one_host: bool, master_port: Option
 def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Comm] = None,
                        timeout: Optional[timedelta] = None, **options: Any) -> None:
     """``torch.distributed.init_process_group`` over the ranks of ``comm``
-    (default MPI.COMM_WORLD), rank for rank. Collective; a rank that cannot
-    (torch.distributed already started, a launcher's WORLD_SIZE that is not
-    ``comm``'s, rank 0 without an address) gives
-    ConfigError on every rank. ``options`` go to torch as they are."""
+    (default MPI.COMM_WORLD), rank for rank; or, in a job that torchrun
+    launched (MPI's world of one, torchrun's ``WORLD_SIZE`` and
+    ``MASTER_ADDR`` set), from torchrun's environment as torch itself does.
+    Collective; a rank that cannot (torch.distributed already started, a
+    launcher's WORLD_SIZE that is not ``comm``'s, rank 0 without an address)
+    gives ConfigError on every rank. ``options`` go to torch as they are."""
     comm = comm or MPI.COMM_WORLD
     require_same(comm, "process group", {"backend": backend})
     problem = "torch.distributed is already initialised" if dist.is_initialized() else None
     raise_if_any(comm, problem)
+    extra = {} if timeout is None else {"timeout": timeout}
+    if comm.size == 1 and os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE", "1") != "1":
+        dist.init_process_group(backend, **extra, **options)  # torchrun's job: its rendezvous, not MPI's
+        return
     require_job_world(comm, "spar_comm.torch.init_process_group")  # under torchrun: one world per process
     one_host = on_one_host(comm)
     if one_host:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     where = init_methods(comm, 1, one_host, os.environ.get("MASTER_PORT") if comm.rank == 0 else None)[0]
-    extra = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method=where, rank=comm.rank, world_size=comm.size, **extra, **options)

@@ -1,4 +1,8 @@
-"""The torch job's ranks, checked against the MPI communicator spar_comm works over.
+"""Which ranks spar_comm.torch works over, and the check that they are the job's.
+
+The rule (``job_comm``): a ``torch.distributed`` group when torch.distributed
+is initialised (the group given, else the default group), through
+``transport.py``; MPI's world otherwise, or when ``transport="mpi"`` says so.
 
 Under ``torchrun`` every process's MPI world is a world of one, with no error
 from MPI. A hook or an optimizer that reduced over it would leave each replica
@@ -12,13 +16,17 @@ job, and MPI's world is its world.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 from mpi4py import MPI
 
 from ..consensus import raise_if_any
 from ..errors import ConfigError
+from .transport import TorchComm
+
+#: The values of ``transport=``: None picks by the rule above.
+TRANSPORTS = (None, "mpi", "torch")
 
 #: (ranks, this process's rank or None, what says so), one entry a source.
 Declared = Tuple[int, Optional[int], str]
@@ -47,9 +55,9 @@ def size_problem(comm: MPI.Comm, what: str) -> Optional[str]:
         if ranks != comm.size:
             plural = "rank" if comm.size == 1 else "ranks"
             return (f"{what} would work over MPI's world of {comm.size} {plural}, but this torch job has "
-                    f"{ranks} ({source}): the ranks would not share their gradients. spar_comm.torch works over "
-                    f"MPI: launch the script with `mpiexec -n {ranks if ranks > 0 else 'N'} python ...` and start "
-                    "torch.distributed from it with spar_comm.torch.init_process_group()")
+                    f"{ranks} ({source}): the ranks would not share their gradients. Initialise torch.distributed "
+                    "first (spar_comm.torch then works over its group, unless transport='mpi'), or launch the "
+                    f"script with `mpiexec -n {ranks if ranks > 0 else 'N'} python ...`")
     return None
 
 
@@ -84,3 +92,21 @@ def check_size(comm: MPI.Comm, what: str) -> None:
     problem = size_problem(comm, what)
     if problem is not None:
         raise ConfigError(problem)
+
+
+def job_comm(process_group: Any = None, transport: Optional[str] = None) -> Any:
+    """The communicator spar_comm.torch works over (see the module's
+    docstring): a ``TorchComm`` over ``process_group`` (default: torch's
+    default group), or ``MPI.COMM_WORLD``. ConfigError for a transport that
+    is unknown or cannot be had."""
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"transport must be one of 'mpi', 'torch' or None, got {transport!r}")
+    torch_up = dist.is_available() and dist.is_initialized()
+    if transport == "mpi" or (transport is None and not torch_up):
+        if process_group is not None:
+            raise ConfigError("a process_group was given, but spar_comm.torch works over MPI here "
+                              "(transport='mpi', or torch.distributed not initialised)")
+        return MPI.COMM_WORLD
+    if not torch_up:
+        raise ConfigError("transport='torch' needs torch.distributed initialised first")
+    return TorchComm.world(process_group)

@@ -1,0 +1,209 @@
+"""A ``torch.distributed`` process group behind the communicator interface the
+rest of spar_comm speaks: mpi4py's, the part of it the topology, the checks
+and ``Channel`` use.
+
+So every allreducer runs over a torch job's own group (gloo on CPU tensors)
+on the same code as over MPI, and never learns which it runs on. NumPy
+arrays reach torch without a copy (``torch.from_numpy``; a byte view where
+the collective only moves data). What torch lacks is built from what it
+has: an Allgatherv from an Allgather of blocks padded to the longest, a
+Sendrecv from ``isend`` and ``irecv``, ``Split`` from an Allgather of the
+colours and one ``new_group`` a colour. torch names a group by a counter
+that every rank of the job must step alike (a group made by its members
+alone is named by how many groups each member already has, which differs
+between ranks), so every rank makes every colour's group, in colour order:
+a comm splits only when it spans the whole job. The nonblocking forms
+complete at once: gloo waits without spinning. Nodes (``Split_type``) are
+torchrun's groups (``GROUP_RANK``) where set, else the hosts' names.
+
+The node's shared-memory windows need MPI (``transport`` is ``"torch"``):
+the node's collectives go through the group instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, List, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ..errors import ConfigError
+from ..mpi_strings import processor_name
+
+#: mpi4py's reduction operations (by handle: they do not hash), as torch names
+#: them (buffers) and as Python folds them (objects).
+_OPS = {MPI.SUM.py2f(): dist.ReduceOp.SUM, MPI.MIN.py2f(): dist.ReduceOp.MIN, MPI.MAX.py2f(): dist.ReduceOp.MAX,
+        MPI.BOR.py2f(): dist.ReduceOp.BOR, MPI.BAND.py2f(): dist.ReduceOp.BAND}
+_FOLDS = {MPI.SUM.py2f(): sum, MPI.MIN.py2f(): min, MPI.MAX.py2f(): max}
+
+
+def _tensor(buf: Any) -> torch.Tensor:
+    """A NumPy array (or mpi4py's ``[array, count, datatype]``) as a tensor
+    sharing its memory: its own dtype where torch has it, else bytes."""
+    if isinstance(buf, (list, tuple)):
+        array, count = buf[0], buf[1]
+        return torch.from_numpy(np.asarray(array).reshape(-1).view(np.uint8)[:count])
+    array = np.asarray(buf).reshape(-1)
+    try:
+        return torch.from_numpy(array)
+    except TypeError:  # ml_dtypes' bfloat16, which torch does not read from NumPy
+        return torch.from_numpy(array.view(np.uint8))
+
+
+def _bytes(buf: Any) -> torch.Tensor:
+    return _tensor(buf).view(torch.uint8)
+
+
+class _Done:
+    """The request of a call that completed when it was made."""
+
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's names)
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        return None
+
+
+class TorchComm:
+    """The ranks of a process group, spoken to as an mpi4py ``Comm``.
+    ``ranks`` are their ranks in torch's default group, in this comm's order."""
+
+    #: What ``Topology.transport`` says: no MPI windows, no MPI timing of the link.
+    transport = "torch"
+
+    def __init__(self, group: Any, ranks: Sequence[int]):
+        self.group, self.ranks = group, list(ranks)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+
+    @classmethod
+    def world(cls, group: Any = None) -> "TorchComm":
+        """``group`` (default: torch's default group), as a comm of its own."""
+        group = group if group is not None else dist.group.WORLD
+        return cls(group, dist.get_process_group_ranks(group))
+
+    # -- objects (pickled: construction and checks, never the hot path) ---------------
+    def allgather(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[root], group=self.group)
+        return box[0]
+
+    def allreduce(self, obj: Any, op: Any = MPI.SUM) -> Any:
+        return _FOLDS[op.py2f()](self.allgather(obj))
+
+    # -- communicators --------------------------------------------------------------
+    def Split(self, color: int = 0, key: int = 0) -> Any:  # noqa: N802
+        """Collective: the ranks of each ``color`` in a group of their own, by
+        ``key`` then rank (which must keep the job's order); ``MPI.COMM_NULL``
+        for ``MPI.UNDEFINED``. Every rank makes every group (see the module's
+        docstring), so this comm must span the job."""
+        everyone = self.allgather((color, key, self.rank))
+        if self.size != dist.get_world_size():
+            raise ConfigError(f"spar_comm over torch.distributed splits only a group of the whole job "
+                              f"({dist.get_world_size()} ranks); this one has {self.size}")
+        mine = MPI.COMM_NULL
+        for each in sorted({c for c, _, _ in everyone if c != MPI.UNDEFINED}):
+            ranks = [self.ranks[r] for _, r in sorted((k, r) for c, k, r in everyone if c == each)]
+            if ranks != sorted(ranks):
+                raise ConfigError(f"a split over torch.distributed must keep the ranks' order, got {ranks}")
+            group = dist.new_group(ranks)
+            if each == color:
+                mine = TorchComm(group, ranks)
+        return mine
+
+    def Split_type(self, split_type: int, key: int = 0) -> Any:  # noqa: N802
+        """The ranks of my node: torchrun's ``GROUP_RANK`` where set, else my host's name."""
+        assert split_type == MPI.COMM_TYPE_SHARED
+        mine = os.environ.get("GROUP_RANK") or processor_name()
+        names = sorted(set(self.allgather(mine)))
+        return self.Split(names.index(mine), key)
+
+    def Dup(self) -> "TorchComm":  # noqa: N802
+        return self.Split(0, self.rank)
+
+    def Free(self) -> None:  # noqa: N802
+        """Groups live as long as the process group they belong to."""
+
+    def Abort(self, code: int = 1) -> None:  # noqa: N802
+        """End this process at once; torchrun then ends the others."""
+        sys.stderr.flush()
+        os._exit(code)
+
+    # -- buffers -----------------------------------------------------------------------
+    def Allreduce(self, send: Any, recv: Any, op: Any = MPI.SUM) -> None:  # noqa: N802
+        out = _tensor(recv)
+        if send is not MPI.IN_PLACE:
+            out.copy_(_tensor(send))
+        dist.all_reduce(out, op=_OPS[op.py2f()], group=self.group)
+
+    def Reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: Any = MPI.SUM) -> None:  # noqa: N802
+        parts = list(torch.split(_tensor(send), list(counts)))
+        dist.reduce_scatter(_tensor(recv), parts, op=_OPS[op.py2f()], group=self.group)
+
+    def Allgather(self, send: Any, recv: Any) -> None:  # noqa: N802
+        dist.all_gather_single(_bytes(recv), _bytes(send), group=self.group)
+
+    def Allgatherv(self, send: Any, spec: Any) -> None:  # noqa: N802
+        """``spec``: ``[recv, (counts, displacements)]`` in elements of recv's dtype."""
+        recv, (counts, displacements) = spec
+        width = np.asarray(recv).itemsize
+        longest = max(counts) * width
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        mine = _bytes(send)
+        padded[: mine.numel()] = mine
+        gathered = torch.empty(longest * self.size, dtype=torch.uint8)
+        dist.all_gather_single(gathered, padded, group=self.group)
+        out = _bytes(recv)
+        for r, (count, start) in enumerate(zip(counts, displacements)):
+            out[start * width : (start + count) * width] = gathered[r * longest : r * longest + count * width]
+
+    def Alltoall(self, send: Any, recv: Any) -> None:  # noqa: N802
+        dist.all_to_all_single(_bytes(recv), _bytes(send), group=self.group)
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:  # noqa: N802
+        dist.broadcast(_bytes(buf), src=self.ranks[root], group=self.group)
+
+    def Reduce(self, send: Any, recv: Any, op: Any = MPI.SUM, root: int = 0) -> None:  # noqa: N802
+        out = _tensor(recv) if self.rank == root else _tensor(send).clone()
+        if self.rank == root and send is not MPI.IN_PLACE:
+            out.copy_(_tensor(send))
+        dist.reduce(out, dst=self.ranks[root], op=_OPS[op.py2f()], group=self.group)
+
+    def Barrier(self) -> None:  # noqa: N802
+        dist.barrier(group=self.group)
+
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:  # noqa: N802
+        dist.send(_bytes(buf), dst=self.ranks[dest], group=self.group, tag=tag)
+
+    def Recv(self, buf: Any, source: int, tag: int = 0) -> None:  # noqa: N802
+        dist.recv(_bytes(buf), src=self.ranks[source], group=self.group, tag=tag)
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None, source: int = 0,  # noqa: N802
+                 recvtag: int = 0) -> None:
+        """Both at once: two blocking sends would wait for each other."""
+        works = [dist.isend(_bytes(sendbuf), dst=self.ranks[dest], group=self.group, tag=sendtag),
+                 dist.irecv(_bytes(recvbuf), src=self.ranks[source], group=self.group, tag=recvtag)]
+        for work in works:
+            work.wait()
+
+    def __getattr__(self, name: str) -> Callable[..., _Done]:
+        """The nonblocking forms (``Iallgather``, ...): done when they return."""
+        blocking = {"I" + n.lower(): n for n in ("Allreduce", "Reduce_scatter", "Allgather", "Allgatherv",
+                                                  "Alltoall", "Bcast", "Reduce", "Barrier")}.get(name)
+        if blocking is None:
+            raise AttributeError(name)
+        call = getattr(self, blocking)
+
+        def started(*args: Any, **kwargs: Any) -> _Done:
+            call(*args, **kwargs)
+            return _Done()
+
+        return started

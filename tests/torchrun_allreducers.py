@@ -1,0 +1,79 @@
+"""Run by ``tests/test_torchrun.py`` under torchrun: every reproducible
+allreducer, with and without codecs, over torch.distributed's gloo group
+(``spar_comm.torch.transport``) on every emulated node layout the world size
+allows, against the serial reference to the last bit: output, residual, and
+the same bits on every rank. Prints ``rank R: CASES cases, FAILURES failed``
+and each failure."""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mpi_helpers import layouts  # noqa: E402
+from reference import Reference, reproducible  # noqa: E402
+from spar_comm import Topology, make_allreducer  # noqa: E402
+from spar_comm.collectives.checks import CODECS  # noqa: E402
+from spar_comm.torch.transport import TorchComm  # noqa: E402
+
+STEPS = 3
+
+
+def integer_grads(seed: int, step: int, p: int, n: int, dtype) -> list:
+    """As test_collectives_mpi's: multiples of 2**-6 below 2**12, exact to sum in any order."""
+    rng = np.random.default_rng([seed, step])
+    return [(rng.integers(-(2**12), 2**12, n) * 2.0**-6).astype(dtype) for _ in range(p)]
+
+
+def cases():
+    for algorithm in reproducible():
+        for n, density in ((13, 0.2), (1037, 0.05)):
+            yield algorithm, n, density, None, None
+        if algorithm in CODECS["values"]:
+            yield algorithm, 1037, 0.05, "int8", "auto" if algorithm in CODECS["indices"] else None
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's stdout."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    world = TorchComm.world()
+    p, rank = world.size, world.rank
+    count, failures = 0, []
+    for rpn in layouts(p):
+        topology = Topology(world, ranks_per_node=rpn)
+        assert not topology.local_shares_memory
+        for algorithm, n, density, values, indices in cases():
+            count += 1
+            reducer = make_allreducer(algorithm, topology, n, "float32", density=density, selector="exact",
+                                      values=values, indices=indices)
+            ref = Reference(algorithm, p, rpn, n, "float32", density, values=values)
+            for step in range(STEPS):
+                grads = integer_grads(n, step, p, n, np.float32)
+                out = reducer.allreduce(grads[rank])
+                expected = ref.step(grads)
+                digests = world.allgather(hashlib.sha256(out.tobytes()).hexdigest())
+                problem = ("output differs from the reference" if not np.array_equal(out, expected) else
+                           "residual differs" if not np.array_equal(reducer.residual_full(), ref.residuals[rank])
+                           else "ranks differ" if len(set(digests)) > 1 else None)
+                if problem:
+                    failures.append(f"{algorithm} n={n} values={values} rpn={rpn} step {step}: {problem}")
+                    break
+            reducer.free()
+        topology.free()
+    say(f"rank {rank}: {count} cases, {len(failures)} failed")
+    for failure in failures:
+        say(f"rank {rank}: FAILED {failure}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
