@@ -115,3 +115,13 @@ def test_the_ddp_example_trains_under_torchrun_with_identical_replicas():
         kill_marked(marker)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "world size 2" in run.stdout and "parameters identical on all 2 ranks" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ddp_over_a_gloo_group_is_exact_conserves_and_survives_a_nan(ranks):
+    """tests/torchrun_ddp.py: the mean with dense, the same bits on every rank
+    and conservation with hitopk, a NaN on one rank a NaN bucket on every
+    rank, and the hook's state through a save and load."""
+    lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_ddp.py", limit=120)
+    assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
