@@ -122,6 +122,7 @@ def test_the_ddp_example_trains_under_torchrun_with_identical_replicas():
 def test_ddp_over_a_gloo_group_is_exact_conserves_and_survives_a_nan(ranks):
     """tests/torchrun_ddp.py: the mean with dense, the same bits on every rank
     and conservation with hitopk, a NaN on one rank a NaN bucket on every
-    rank, and the hook's state through a save and load."""
+    rank, the hook's state through a save and load, and an overflow under
+    GradScaler skipped on every rank with its scale halved."""
     lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_ddp.py", limit=120)
     assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines

@@ -4,7 +4,8 @@ the exact mean. ``hitopk``: the same bits on every rank each step, and
 conservation (what was applied, times the ranks, plus every rank's residual
 is the sum of the raw gradients: exactly, the gradients being multiples of
 2**-6, where the ranks are a power of two; else to the mean's rounding). Then a NaN on the last rank: a NaN bucket on every rank and the
-residuals as they were; then the state through state_dict/load_state_dict.
+residuals as they were; then the state through state_dict/load_state_dict;
+then GradScaler's recipe with an overflow on one rank, skipped alike everywhere.
 Prints ``rank R: FAILURES failed`` and each failure."""
 from __future__ import annotations
 
@@ -88,6 +89,40 @@ def run(algorithm: str, rank: int, world: int, failures: list) -> None:
         failures.append("the state does not come back through state_dict/load_state_dict")
 
 
+def amp(rank: int, world: int, failures: list) -> None:
+    """GradScaler's plain recipe over the group: an overflow on the last rank
+    at step 1 is skipped on every rank, the scale halved alike, the weights
+    and the residuals left as they were."""
+    model = Chosen()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=48 * 8 / 2**20)
+    state, hook = sct.comm_hook("hitopk", 0.1, grad_scaler=scaler)
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    for step in range(3):
+        grads = grads_of(10 + step, world)[rank]
+        if step == 1 and rank == world - 1:
+            grads[2][3] = float("inf")
+        before = flat(model.ps).copy(), state.residuals(), scaler.get_scale()
+        optimizer.zero_grad()
+        scaler.scale(ddp(grads)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if step != 1:
+            continue
+        after = state.residuals()
+        if scaler.get_scale() != before[2] / 2:
+            failures.append(f"amp: the scale went from {before[2]} to {scaler.get_scale()}")
+        if not np.array_equal(flat(model.ps), before[0]):
+            failures.append("amp: the skipped step moved the weights")
+        if after.keys() != before[1].keys() or not all(np.array_equal(after[c], v) for c, v in before[1].items()):
+            failures.append("amp: the skipped step changed a residual")
+    digests = [None] * world
+    dist.all_gather_object(digests, hashlib.sha256(flat(model.ps).tobytes()).hexdigest())
+    if len(set(digests)) > 1:
+        failures.append("amp: the replicas differ")
+
+
 def say(line: str) -> None:
     """One line in one write: the ranks share the launcher's stdout."""
     sys.stdout.write(line + "\n")
@@ -100,6 +135,7 @@ def main() -> None:
     failures: list = []
     for algorithm in ("dense", "hitopk"):
         run(algorithm, rank, world, failures)
+    amp(rank, world, failures)
     say(f"rank {rank}: {len(failures)} failed")
     for failure in failures:
         say(f"rank {rank}: FAILED {failure}")
