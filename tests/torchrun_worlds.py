@@ -48,13 +48,13 @@ def main() -> None:
     attempt("rank", sct.rank)
     attempt("size", sct.size)
     attempt("local_device", sct.local_device)
-    attempt("init_process_group", sct.init_process_group)
     attempt("broadcast_parameters", lambda: sct.broadcast_parameters(model))
     attempt("broadcast_optimizer_state", lambda: sct.broadcast_optimizer_state(optimizer))
     attempt("DistributedOptimizer", lambda: sct.DistributedOptimizer(optimizer, model.named_parameters(),
                                                                       algorithm="dense", density=1.0))
     attempt("comm_hook over MPI", lambda: sct.comm_hook("dense", density=1.0, transport="mpi"))
     made = attempt("comm_hook", lambda: sct.comm_hook("dense", density=1.0))
+    attempt("init_process_group", sct.init_process_group)  # last: it starts torch.distributed from torchrun's environment
     if made is not None and dist.is_initialized():
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(*made)
