@@ -23,10 +23,20 @@ from shm_cleanup import mpi_segments, remove_orphaned_segments
 from spar_comm import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
+#: MPI's shared-memory files in /dev/shm when the run started.
+SEGMENTS_AT_START = pytest.StashKey[set]()
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of `make test-quick` (a driver run or a simulated kernel sweep)")
+    config.stash[SEGMENTS_AT_START] = mpi_segments()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Once more at the end of a serial run: MPI's files that a job's last
+    processes released only after their test had ended."""
+    if MPI.COMM_WORLD.size == 1:
+        remove_orphaned_segments(session.config.stash[SEGMENTS_AT_START])
 
 
 def find_mpiexec() -> str:
