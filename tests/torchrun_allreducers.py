@@ -19,6 +19,7 @@ from reference import Reference, reproducible  # noqa: E402
 from spar_comm import Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
 from spar_comm.torch.transport import TorchComm  # noqa: E402
+from torchrun_helpers import report  # noqa: E402
 
 STEPS = 3
 
@@ -36,11 +37,6 @@ def cases():
         if algorithm in CODECS["values"]:
             yield algorithm, 1037, 0.05, "int8", "auto" if algorithm in CODECS["indices"] else None
 
-
-def say(line: str) -> None:
-    """One line in one write: the ranks share the launcher's stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:
@@ -69,10 +65,7 @@ def main() -> None:
                     break
             reducer.free()
         topology.free()
-    say(f"rank {rank}: {count} cases, {len(failures)} failed")
-    for failure in failures:
-        say(f"rank {rank}: FAILED {failure}")
-    dist.destroy_process_group()
+    report(f"{count} cases, {len(failures)} failed", failures)
 
 
 if __name__ == "__main__":

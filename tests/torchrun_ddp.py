@@ -10,13 +10,13 @@ Prints ``rank R: FAILURES failed`` and each failure."""
 from __future__ import annotations
 
 import hashlib
-import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import spar_comm.torch as sct
+from torchrun_helpers import report
 
 SHAPES = [(7, 5), (40,), (30,), (4, 4), (11,)]
 
@@ -123,11 +123,6 @@ def amp(rank: int, world: int, failures: list) -> None:
         failures.append("amp: the replicas differ")
 
 
-def say(line: str) -> None:
-    """One line in one write: the ranks share the launcher's stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
 
 def main() -> None:
     dist.init_process_group("gloo")
@@ -136,10 +131,7 @@ def main() -> None:
     for algorithm in ("dense", "hitopk"):
         run(algorithm, rank, world, failures)
     amp(rank, world, failures)
-    say(f"rank {rank}: {len(failures)} failed")
-    for failure in failures:
-        say(f"rank {rank}: FAILED {failure}")
-    dist.destroy_process_group()
+    report(f"{len(failures)} failed", failures)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Callable
 
 import torch
@@ -16,14 +15,10 @@ import torch.distributed as dist
 
 import spar_comm.torch as sct
 from spar_comm import ConfigError
+from torchrun_helpers import say
 
 RANK = int(os.environ["RANK"])
 
-
-def say(line: str) -> None:
-    """One line in one write: the ranks share the launcher's stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def attempt(name: str, call: Callable[[], object]) -> object:
