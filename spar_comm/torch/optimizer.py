@@ -595,8 +595,9 @@ def _settings_problem(named: List, dense: Sequence[Any], bucket_cap_mb: Any, pas
                       non_finite: Any) -> Optional[str]:
     if not named:
         return "the optimizer has no parameters that take gradients"
-    if non_finite_problem(non_finite):
-        return non_finite_problem(non_finite)
+    problem = non_finite_problem(non_finite)
+    if problem:
+        return problem
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         return f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}"
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:

@@ -57,6 +57,11 @@ def _bytes(buf: Any) -> torch.Tensor:
     return _tensor(buf).view(torch.uint8)
 
 
+#: mpi4py's nonblocking collectives, by the blocking call that stands in for each.
+_NONBLOCKING = {"I" + name.lower(): name for name in ("Allreduce", "Reduce_scatter", "Allgather", "Allgatherv",
+                                                      "Alltoall", "Bcast", "Reduce", "Barrier")}
+
+
 class _Done:
     """The request of a call that completed when it was made."""
 
@@ -196,8 +201,7 @@ class TorchComm:
 
     def __getattr__(self, name: str) -> Callable[..., _Done]:
         """The nonblocking forms (``Iallgather``, ...): done when they return."""
-        blocking = {"I" + n.lower(): n for n in ("Allreduce", "Reduce_scatter", "Allgather", "Allgatherv",
-                                                  "Alltoall", "Bcast", "Reduce", "Barrier")}.get(name)
+        blocking = _NONBLOCKING.get(name)
         if blocking is None:
             raise AttributeError(name)
         call = getattr(self, blocking)
