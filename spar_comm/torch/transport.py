@@ -154,7 +154,7 @@ class TorchComm:
         dist.reduce_scatter(_tensor(recv), parts, op=_OPS[op.py2f()], group=self.group)
 
     def Allgather(self, send: Any, recv: Any) -> None:  # noqa: N802
-        dist.all_gather_single(_bytes(recv), _bytes(send), group=self.group)
+        dist.all_gather_into_tensor(_bytes(recv), _bytes(send), group=self.group)
 
     def Allgatherv(self, send: Any, spec: Any) -> None:  # noqa: N802
         """``spec``: ``[recv, (counts, displacements)]`` in elements of recv's dtype."""
@@ -165,7 +165,7 @@ class TorchComm:
         mine = _bytes(send)
         padded[: mine.numel()] = mine
         gathered = torch.empty(longest * self.size, dtype=torch.uint8)
-        dist.all_gather_single(gathered, padded, group=self.group)
+        dist.all_gather_into_tensor(gathered, padded, group=self.group)
         out = _bytes(recv)
         for r, (count, start) in enumerate(zip(counts, displacements)):
             out[start * width : (start + count) * width] = gathered[r * longest : r * longest + count * width]
