@@ -1,11 +1,42 @@
-// Top-k selection kernels for CuPy arrays on a GPU (loaded by select_cuda.py).
+// Exact top-k selection on a GPU, as a fixed sequence of launches that never
+// waits for the host (loaded by select_cuda.py, ordered by device_select.py).
 //
-// They do what the numba-cuda kernels of device_select.py do under the
-// simulator, in fewer passes and with CuPy's cheap launches. Keys are the
-// magnitude keys of magnitude.py: the float's bits with the sign cleared,
-// every NaN clamped to one key above Inf. Key is the unsigned type the keys
-// fit in (32 bits for float16 and float32, 64 for float64); Bits is the
-// float's own width.
+// Every figure a step needs from the one before (the floor, how many the
+// gather admitted, the k-th key, how many of its ties are wanted) stays in
+// the selection's state on the device, so the host only launches. A step that
+// would branch reads the state instead: the radix select and the marking run
+// over the gathered candidates when the gather admitted at least k and no more
+// than its room, else over the whole array, so an unlucky floor costs passes,
+// never correctness. The answer comes out in ascending positions by way of two
+// bitmaps (keys above the k-th key, and keys equal to it), compacted in order.
+//
+// Keys are the magnitude keys of magnitude.py: the float's bits with the sign
+// cleared, every NaN clamped to one key above Inf. Key is the unsigned type
+// the keys fit in (32 bits for float16 and float32, 64 for float64); Bits is
+// the float's own width. select_numba.py holds the same kernels in numba-cuda,
+// under the same names and arguments, for Numba's CUDA simulator.
+
+// Slots of the state (unsigned long long) a selection keeps on the device.
+// select_plan.py's STATE lists the same names in the same order.
+enum Slot {
+    FLOOR,        // the gather takes every key at or above it
+    COUNT,        // how many keys the gather admitted (also past its room)
+    SOURCE,       // 1: the radix select and the marking read the candidates; 0: the whole array
+    CANDIDATES,   // how many candidates they read
+    PREFIX,       // the radix select's prefix; after its last pass, the k-th largest key
+    PREFIX_MASK,  // the bits of the prefix chosen so far
+    WANTED,       // how many keys equal to the prefix are still wanted
+    LO,           // the bisection's bracket [LO, HI) of floors
+    HI,
+    PREVIOUS,     // the last call's k-th key (the warm start's), NO_KEY before one
+};
+#define NO_KEY 0xffffffffffffffffULL
+#define FULL_WARP 0xffffffffu
+// Threads of the compaction's blocks, and bitmap words each of them reads.
+#define COMPACT_THREADS 256
+#define WORDS 8
+// Floors a bisection pass counts: 8 halvings a pass (steer's block has a thread for each).
+#define FLOORS 255
 
 // The magnitude key of one entry.
 template <typename Bits, typename Key>
@@ -14,45 +45,344 @@ __device__ __forceinline__ Key magnitude_key(Bits bits, Key mask, Key nan_key) {
     return key < nan_key ? key : nan_key;
 }
 
-// Every position whose key is at least `floor`, appended in any order: a warp
-// votes, one lane reserves the warp's slots with one atomic. `count` ends
-// with how many there are, also when that is more than `capacity` (then only
-// the first `capacity` were written, and the caller runs again with more
-// room). Each block walks tiles of blockDim.x * 4 entries, so every lane of
-// a warp takes the same trips and the votes see the whole warp.
+// The magnitude of a finite key (float16 decoded by hand: no half type is needed).
+__device__ __forceinline__ double magnitude_of(unsigned short b) {
+    int exponent = (b >> 10) & 31, mantissa = b & 1023;
+    return exponent ? ldexp(1024.0 + mantissa, exponent - 25) : ldexp(static_cast<double>(mantissa), -24);
+}
+__device__ __forceinline__ double magnitude_of(unsigned int b) { return __uint_as_float(b & 0x7fffffffu); }
+__device__ __forceinline__ double magnitude_of(unsigned long long b) {
+    return __longlong_as_double(static_cast<long long>(b & 0x7fffffffffffffffULL));
+}
+
+// The least key whose magnitude is at least v >= 0 (inf_key when none is):
+// value_key of device_select.py, by bisection over the keys, which are
+// monotone in the magnitude.
 template <typename Bits, typename Key>
-__global__ void at_least(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key, Key floor,
-                         long long* __restrict__ out, unsigned long long capacity,
-                         unsigned long long* __restrict__ count) {
-    const unsigned lane = threadIdx.x & 31u;
+__device__ Key key_at_least(double v, Key inf_key) {
+    Key lo = 0, hi = inf_key;
+    while (lo < hi) {
+        Key mid = lo + (hi - lo) / 2;
+        if (magnitude_of(static_cast<Bits>(mid)) >= v) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+
+// An inclusive scan of one value per thread across a COMPACT_THREADS block.
+__device__ __forceinline__ unsigned long long block_scan(unsigned long long v, unsigned long long* buf) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int step = 1; step < COMPACT_THREADS; step <<= 1) {
+        unsigned long long add = threadIdx.x >= step ? buf[threadIdx.x - step] : 0ULL;
+        __syncthreads();
+        buf[threadIdx.x] += add;
+        __syncthreads();
+    }
+    unsigned long long mine = buf[threadIdx.x];
+    __syncthreads();
+    return mine;
+}
+
+// One thread: a slot cleared (the gather's count, before the gather).
+__global__ void clear_slot(unsigned long long* state, int slot) { state[slot] = 0ULL; }
+
+// One thread: the floor from another slot (the sample's radix select), or a value when slot < 0.
+__global__ void set_floor(unsigned long long* state, int slot, unsigned long long value) {
+    state[FLOOR] = slot < 0 ? value : state[slot];
+}
+
+// Every key at or above the floor, with its position, appended in any order.
+// A block takes tiles of 4 * blockDim.x entries; the warps count their votes,
+// and one atomic a tile reserves the block's slots (one counter, so one atomic
+// a warp would queue behind each other at 1% density). COUNT ends with how many
+// there are, also when that is more than `capacity` (then only the first
+// `capacity` were written, and the radix select reads the whole array).
+// Requires blockDim.x a multiple of 32, at most 1024.
+template <typename Bits, typename Key>
+__global__ void gather_at_least(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
+                                unsigned long long* state, Key* __restrict__ keys, long long* __restrict__ positions,
+                                unsigned long long capacity) {
+    __shared__ unsigned long long warp_first[32];
+    __shared__ unsigned long long block_first;
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const unsigned below = (1u << lane) - 1u;
+    const Key floor = static_cast<Key>(state[FLOOR]);
     const long long tile = 4LL * blockDim.x;
-    for (long long start = blockIdx.x * tile; start < n; start += gridDim.x * tile) {
+    for (long long start = blockIdx.x * tile; start < n; start += gridDim.x * tile) {  // the same trips for the block
         Bits b[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {  // four loads in flight before the first use
             long long i = start + u * blockDim.x + threadIdx.x;
             b[u] = i < n ? bits[i] : Bits(0);
         }
+        unsigned votes[4], taken = 0u;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             long long i = start + u * blockDim.x + threadIdx.x;
-            bool take = i < n && magnitude_key<Bits, Key>(b[u], mask, nan_key) >= floor;
-            unsigned votes = __ballot_sync(0xffffffffu, take);
-            if (votes == 0u) continue;
-            unsigned long long first = 0;
-            if (lane == static_cast<unsigned>(__ffs(votes) - 1))
-                first = atomicAdd(count, static_cast<unsigned long long>(__popc(votes)));
-            first = __shfl_sync(0xffffffffu, first, __ffs(votes) - 1);
-            if (take) {
-                unsigned long long slot = first + __popc(votes & below);
-                if (slot < capacity) out[slot] = i;
+            votes[u] = __ballot_sync(FULL_WARP, i < n && magnitude_key<Bits, Key>(b[u], mask, nan_key) >= floor);
+            taken += __popc(votes[u]);
+        }
+        if (lane == 0u) warp_first[warp] = taken;
+        __syncthreads();
+        if (threadIdx.x == 0) {  // the warps' offsets, and the block's slots
+            unsigned long long total = 0;
+            for (unsigned w = 0; w < warps; ++w) {
+                unsigned long long here = warp_first[w];
+                warp_first[w] = total;
+                total += here;
+            }
+            block_first = total ? atomicAdd(state + COUNT, total) : 0ULL;
+        }
+        __syncthreads();
+        unsigned long long slot = block_first + warp_first[warp];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if ((votes[u] >> lane) & 1u) {
+                unsigned long long mine = slot + __popc(votes[u] & below);
+                if (mine < capacity) {
+                    long long i = start + u * blockDim.x + threadIdx.x;
+                    keys[mine] = magnitude_key<Bits, Key>(b[u], mask, nan_key);
+                    positions[mine] = i;
+                }
+            }
+            slot += __popc(votes[u]);
+        }
+        __syncthreads();  // the shared offsets are read before the next tile writes them
+    }
+}
+
+// One thread: start a radix select of the k-th largest key, over the
+// candidates if there are at least k of them and all were kept (`given`: how
+// many; < 0 for the gather's COUNT), else over the whole array.
+__global__ void begin_radix(unsigned long long* state, unsigned long long k, unsigned long long capacity,
+                            long long given) {
+    unsigned long long m = given >= 0 ? static_cast<unsigned long long>(given) : state[COUNT];
+    bool candidates = m >= k && m <= capacity;
+    state[SOURCE] = candidates;
+    state[CANDIDATES] = candidates ? m : 0ULL;
+    state[PREFIX] = 0ULL;
+    state[PREFIX_MASK] = 0ULL;
+    state[WANTED] = k;
+}
+
+// Blocks of a grid-stride kernel that work on m entries: enough for about 8
+// entries a thread (the candidates are few, the array many); the others return.
+__device__ __forceinline__ unsigned blocks_for(long long m) {
+    long long wanted = (m + 8LL * blockDim.x - 1) / (8LL * blockDim.x);
+    return static_cast<unsigned>(wanted < 1 ? 1 : (wanted < gridDim.x ? wanted : gridDim.x));
+}
+
+// Radix select, one byte a pass: count, per byte at `shift`, the keys that
+// share the prefix chosen so far. A block counts in shared memory, then adds
+// its 256 counts. Over the candidates, the lanes of a warp that share a byte
+// add once: they cluster in few bytes (the first pass's byte is the
+// exponent's); over the whole array (measured on an H200) that match costs
+// more than it saves.
+template <typename Bits, typename Key>
+__global__ void histogram(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
+                          const Key* __restrict__ keys, const unsigned long long* __restrict__ state, int shift,
+                          unsigned long long* hist) {
+    const bool candidates = state[SOURCE] != 0ULL;
+    const long long m = candidates ? static_cast<long long>(state[CANDIDATES]) : n;
+    const unsigned used = blocks_for(m);
+    if (blockIdx.x >= used) return;
+    __shared__ unsigned local[256];
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) local[b] = 0u;
+    __syncthreads();
+    const unsigned lane = threadIdx.x & 31u;
+    const Key prefix = static_cast<Key>(state[PREFIX]), prefix_mask = static_cast<Key>(state[PREFIX_MASK]);
+    for (long long base = blockIdx.x * (long long)blockDim.x; base < m; base += (long long)used * blockDim.x) {
+        long long i = base + threadIdx.x;  // every lane of a warp takes the same trips
+        Key key = i >= m ? Key(0) : candidates ? keys[i] : magnitude_key<Bits, Key>(bits[i], mask, nan_key);
+        bool take = i < m && (key & prefix_mask) == prefix;
+        unsigned byte = take ? static_cast<unsigned>((key >> shift) & 255u) : 256u + lane;
+        if (!candidates) {  // over the whole array, the match below costs more than the contention it saves
+            if (take) atomicAdd(local + byte, 1u);
+            continue;
+        }
+        unsigned peers = __match_any_sync(FULL_WARP, byte);
+        if (take && lane == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(local + byte, __popc(peers));
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += blockDim.x)
+        if (local[b]) atomicAdd(hist + b, static_cast<unsigned long long>(local[b]));
+}
+
+// One block of COMPACT_THREADS (256) threads, a thread a byte: the byte that
+// holds the WANTED-th largest key of the histogram, by a scan from the top;
+// extend the prefix by it, keep how many are still wanted, and clear the
+// histogram for the next pass.
+__global__ void choose_byte(unsigned long long* hist, unsigned long long* state, int shift) {
+    __shared__ unsigned long long buf[COMPACT_THREADS];
+    const unsigned b = 255u - threadIdx.x;  // thread 0 holds the top byte: the scan sums from the top
+    const unsigned long long wanted = state[WANTED], here = hist[b];
+    const unsigned long long at_or_above = block_scan(here, buf), above = at_or_above - here;
+    if (above < wanted && wanted <= at_or_above) {  // one byte holds the wanted key
+        state[PREFIX] |= static_cast<unsigned long long>(b) << shift;
+        state[PREFIX_MASK] |= 255ULL << shift;
+        state[WANTED] = wanted - above;
+    }
+    hist[b] = 0ULL;
+}
+
+// Mark, after the radix select, every position whose key is above the k-th
+// key in `above` and every one equal to it in `at` (bitmaps, cleared before).
+// Over the whole array a warp's 32 entries are one word of each bitmap, so a
+// vote writes it; candidates come in any order, so they set bits atomically.
+template <typename Bits, typename Key>
+__global__ void mark(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key, const Key* __restrict__ keys,
+                     const long long* __restrict__ positions, const unsigned long long* __restrict__ state,
+                     unsigned* __restrict__ above, unsigned* __restrict__ at) {
+    const Key kth = static_cast<Key>(state[PREFIX]);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    if (state[SOURCE] != 0ULL) {
+        const long long m = static_cast<long long>(state[CANDIDATES]);
+        const unsigned used = blocks_for(m);
+        if (blockIdx.x >= used) return;
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < m; i += (long long)used * blockDim.x) {
+            Key key = keys[i];
+            long long p = positions[i];
+            if (key > kth) atomicOr(above + (p >> 5), 1u << (p & 31));
+            else if (key == kth) atomicOr(at + (p >> 5), 1u << (p & 31));
+        }
+        return;
+    }
+    const unsigned lane = threadIdx.x & 31u;
+    for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31u); base < n; base += stride) {
+        long long i = base + lane;
+        Key key = i < n ? magnitude_key<Bits, Key>(bits[i], mask, nan_key) : Key(0);
+        unsigned over = __ballot_sync(FULL_WARP, i < n && key > kth);
+        unsigned tied = __ballot_sync(FULL_WARP, i < n && key == kth);
+        if (lane == 0u) {
+            if (over) above[base >> 5] = over;
+            if (tied) at[base >> 5] = tied;
+        }
+    }
+}
+
+// The bits each thread of a compaction block owns: WORDS consecutive words,
+// counted as (above, at).
+__device__ __forceinline__ void count_words(const unsigned* above, const unsigned* at, long long first,
+                                            long long words, unsigned long long* over, unsigned long long* tied) {
+    *over = 0ULL;
+    *tied = 0ULL;
+    for (int u = 0; u < WORDS; ++u) {
+        long long w = first + u;
+        if (w < words) {
+            *over += __popc(above[w]);
+            *tied += __popc(at[w]);
+        }
+    }
+}
+
+// Per compaction block: how many bits of each bitmap its words hold
+// (sums[b] and sums[blocks + b]).
+__global__ void word_sums(const unsigned* __restrict__ above, const unsigned* __restrict__ at, long long words,
+                          unsigned long long* __restrict__ sums, long long blocks) {
+    __shared__ unsigned long long buf[COMPACT_THREADS];
+    unsigned long long over, tied;
+    count_words(above, at, (blockIdx.x * (long long)COMPACT_THREADS + threadIdx.x) * WORDS, words, &over, &tied);
+    over = block_scan(over, buf);
+    tied = block_scan(tied, buf);
+    if (threadIdx.x == COMPACT_THREADS - 1) {
+        sums[blockIdx.x] = over;
+        sums[blocks + blockIdx.x] = tied;
+    }
+}
+
+// One block: both halves of sums made exclusive prefix sums, in place.
+__global__ void scan_sums(unsigned long long* sums, long long blocks) {
+    __shared__ unsigned long long buf[COMPACT_THREADS];
+    for (int half = 0; half < 2; ++half) {
+        unsigned long long* a = sums + half * blocks;
+        unsigned long long carry = 0ULL;
+        for (long long start = 0; start < blocks; start += COMPACT_THREADS) {
+            long long i = start + threadIdx.x;
+            unsigned long long v = i < blocks ? a[i] : 0ULL;
+            unsigned long long inclusive = block_scan(v, buf);
+            unsigned long long total = buf[COMPACT_THREADS - 1];
+            __syncthreads();  // every thread has read the total before the next chunk's scan
+            if (i < blocks) a[i] = carry + inclusive - v;
+            carry += total;
+        }
+    }
+}
+
+// Write the answer in ascending positions: every bit of `above`, and the
+// first WANTED bits of `at`. A position's slot is how many of both come
+// before it: the above bits before it, plus the tied bits before it, at most
+// WANTED of them.
+__global__ void write_positions(const unsigned* __restrict__ above, const unsigned* __restrict__ at, long long words,
+                                const unsigned long long* __restrict__ sums, long long blocks,
+                                const unsigned long long* __restrict__ state, long long* __restrict__ out) {
+    __shared__ unsigned long long buf[COMPACT_THREADS];
+    const long long first = (blockIdx.x * (long long)COMPACT_THREADS + threadIdx.x) * WORDS;
+    unsigned long long over, tied;
+    count_words(above, at, first, words, &over, &tied);
+    unsigned long long over_before = sums[blockIdx.x] + block_scan(over, buf) - over;
+    unsigned long long tied_before = sums[blocks + blockIdx.x] + block_scan(tied, buf) - tied;
+    const unsigned long long wanted = state[WANTED];
+    for (int u = 0; u < WORDS; ++u) {
+        long long w = first + u;
+        if (w >= words) break;
+        unsigned a = above[w], t = at[w], both = a | t;
+        while (both) {
+            int j = __ffs(both) - 1;
+            both &= both - 1u;
+            long long position = w * 32 + j;
+            if ((a >> j) & 1u) {
+                out[over_before + (tied_before < wanted ? tied_before : wanted)] = position;
+                ++over_before;
+            } else {
+                if (tied_before < wanted) out[over_before + tied_before] = position;
+                ++tied_before;
             }
         }
     }
 }
 
-// counts[j] += #(key >= floors[j]) for the 63 ascending floors, in one read.
+// -- where the floor comes from -------------------------------------------------------------
+
+// The keys of a strided sample: keys[i] = key(bits[i * stride]), i < m.
+template <typename Bits, typename Key>
+__global__ void sample_keys(const Bits* __restrict__ bits, Key mask, Key nan_key, long long stride, long long m,
+                            Key* __restrict__ keys) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < m; i += (long long)gridDim.x * blockDim.x)
+        keys[i] = magnitude_key<Bits, Key>(bits[i * stride], mask, nan_key);
+}
+
+// The sum of the finite magnitudes and how many entries are finite, in one
+// read (stats, cleared before).
+template <typename Bits, typename Key>
+__global__ void finite_stats(const Bits* __restrict__ bits, long long n, Key mask, Key inf_key, double* stats) {
+    double sum = 0.0;
+    unsigned long long count = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        Bits b = bits[i];
+        if ((static_cast<Key>(b) & mask) < inf_key) {
+            sum += magnitude_of(b);
+            count += 1;
+        }
+    }
+    for (int d = 16; d > 0; d >>= 1) {
+        sum += __shfl_down_sync(FULL_WARP, sum, d);
+        count += __shfl_down_sync(FULL_WARP, count, d);
+    }
+    if ((threadIdx.x & 31u) == 0u) {
+        atomicAdd(stats, sum);
+        atomicAdd(stats + 1, static_cast<double>(count));  // exact below 2^53 entries
+    }
+}
+
+// One thread: the bisection's bracket, from the key of the mean finite
+// magnitude (0 when none is finite) to above every key.
+template <typename Bits, typename Key>
+__global__ void mean_bracket(const double* stats, unsigned long long* state, Key inf_key, Key nan_key) {
+    state[LO] = stats[1] > 0.0 ? key_at_least<Bits, Key>(stats[0] / stats[1], inf_key) : Key(0);
+    state[HI] = static_cast<unsigned long long>(nan_key) + 1ULL;
+}
+
+// counts[j] += #(key >= floors[j]) for the FLOORS ascending floors, in one read.
 // A key at or above the lowest floor finds its bucket [f[j], f[j+1]) by a
 // binary search and counts there in shared memory; the block adds the
 // buckets' suffix sums. Keys below the lowest floor, the most of them after
@@ -60,7 +390,7 @@ __global__ void at_least(const Bits* __restrict__ bits, long long n, Key mask, K
 template <typename Bits, typename Key>
 __global__ void count_at_least(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
                                const Key* __restrict__ floors, unsigned long long* __restrict__ counts) {
-    constexpr int Floors = 63;
+    constexpr int Floors = FLOORS;
     __shared__ Key f[Floors];
     __shared__ unsigned bucket[Floors];
     for (int j = threadIdx.x; j < Floors; j += blockDim.x) {
@@ -82,7 +412,7 @@ __global__ void count_at_least(const Bits* __restrict__ bits, long long n, Key m
             Key key = magnitude_key<Bits, Key>(b[u], mask, nan_key);
             if (start + u * blockDim.x + threadIdx.x < n && key >= lowest) {
                 int j = 0;
-                for (int step = 32; step > 0; step >>= 1)
+                for (int step = (Floors + 1) / 2; step > 0; step >>= 1)
                     if (j + step < Floors && f[j + step] <= key) j += step;
                 atomicAdd(bucket + j, 1u);
             }
@@ -98,108 +428,54 @@ __global__ void count_at_least(const Bits* __restrict__ bits, long long n, Key m
     }
 }
 
-// One thread, after a counting pass: narrow the bracket search = [lo, hi) of
-// key floors (lo: the highest floor that keeps more than k keys; hi: the
-// lowest that keeps at most k), then spread the next pass's floors evenly
-// inside it and clear the counts. With counts all zero and the bracket as
-// given, it only spreads (the first pass).
+// One block of COMPACT_THREADS threads, a thread a floor. After a counting
+// pass (`narrow`): narrow the bracket [LO, HI) (LO: the highest floor that
+// keeps more than k keys; HI: the lowest that keeps at most k; the counts fall
+// as the floors rise, so the floors that keep more than k are a prefix). Then
+// spread the next pass's floors evenly inside it, clear the counts, and make
+// LO the floor.
 template <typename Key>
-__global__ void steer(Key* search, Key* floors, unsigned long long* counts, unsigned long long k, int narrow) {
-    constexpr int Floors = 63;
+__global__ void steer(unsigned long long* state, Key* floors, unsigned long long* counts, unsigned long long k,
+                      int narrow) {
+    constexpr int Floors = FLOORS;
+    const int j = threadIdx.x;
     if (narrow) {
-        for (int j = 0; j < Floors; ++j)
-            if (counts[j] > k) search[0] = floors[j];
-        for (int j = Floors - 1; j >= 0; --j)
-            if (counts[j] <= k) search[1] = floors[j];
+        const int more = __syncthreads_count(j < Floors && counts[j] > k);
+        if (more > 0 && j == more - 1) state[LO] = floors[j];
+        if (more < Floors && j == more) state[HI] = floors[j];
+        __syncthreads();
     }
-    Key lo = search[0], width = search[1] - search[0];
-    Key step = width / (Floors + 1), rest = width % (Floors + 1);
-    for (int j = 0; j < Floors; ++j) {
-        floors[j] = lo + (j + 1) * step + (j + 1) * rest / (Floors + 1);
+    const unsigned long long lo = state[LO], width = state[HI] - lo;
+    const unsigned long long step = width / (Floors + 1), rest = width % (Floors + 1);
+    if (j < Floors) {
+        floors[j] = static_cast<Key>(lo + (j + 1) * step + (j + 1) * rest / (Floors + 1));
         counts[j] = 0ULL;
     }
+    if (j == 0) state[FLOOR] = lo;
 }
 
-// The magnitude of a finite entry, from its bits (float16 decoded by hand:
-// no half type is needed).
-__device__ __forceinline__ double magnitude_of(unsigned short b) {
-    int exponent = (b >> 10) & 31, mantissa = b & 1023;
-    return exponent ? ldexp(1024.0 + mantissa, exponent - 25) : ldexp(static_cast<double>(mantissa), -24);
-}
-__device__ __forceinline__ double magnitude_of(unsigned int b) { return __uint_as_float(b & 0x7fffffffu); }
-__device__ __forceinline__ double magnitude_of(unsigned long long b) {
-    return __longlong_as_double(static_cast<long long>(b & 0x7fffffffffffffffULL));
-}
-
-// The sum of the finite magnitudes and how many entries are finite, in one read.
+// One thread: the warm start's floor, the last k-th magnitude times the
+// margin (rounded up to a key), when that magnitude is above 0 and finite;
+// else a floor above every key, which sends the radix select to the whole array.
 template <typename Bits, typename Key>
-__global__ void finite_stats(const Bits* __restrict__ bits, long long n, Key mask, Key inf_key, double* stats) {
-    double sum = 0.0;
-    unsigned long long count = 0;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        Bits b = bits[i];
-        if ((static_cast<Key>(b) & mask) < inf_key) {
-            sum += magnitude_of(b);
-            count += 1;
-        }
-    }
-    for (int d = 16; d > 0; d >>= 1) {
-        sum += __shfl_down_sync(0xffffffffu, sum, d);
-        count += __shfl_down_sync(0xffffffffu, count, d);
-    }
-    if ((threadIdx.x & 31u) == 0u) {
-        atomicAdd(stats, sum);
-        atomicAdd(stats + 1, static_cast<double>(count));  // exact below 2^53 entries
-    }
+__global__ void warm_floor(unsigned long long* state, const double* margin_of, Key inf_key, Key nan_key) {
+    unsigned long long previous = state[PREVIOUS];
+    double margin = margin_of[0];
+    state[FLOOR] = previous != NO_KEY && previous > 0ULL && previous < inf_key
+                       ? key_at_least<Bits, Key>(magnitude_of(static_cast<Bits>(previous)) * margin, inf_key)
+                       : static_cast<unsigned long long>(nan_key) + 1ULL;
 }
 
-// Radix select, one byte a pass: count, per byte at `shift`, the keys that
-// share the prefix state[0] under the mask state[1]. A block counts in shared
-// memory, then adds its 256 counts.
-template <typename Bits, typename Key>
-__global__ void histogram(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
-                          const unsigned long long* __restrict__ state, int shift, unsigned long long* hist) {
-    __shared__ unsigned local[256];
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) local[b] = 0u;
-    __syncthreads();
-    const Key prefix = static_cast<Key>(state[0]), prefix_mask = static_cast<Key>(state[1]);
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        Key key = magnitude_key<Bits, Key>(bits[i], mask, nan_key);
-        if ((key & prefix_mask) == prefix) atomicAdd(local + ((key >> shift) & 255u), 1u);
+// One thread, after a selection: keep its k-th key for the next call and, with
+// `adapt`, move the margin by the rule of threshold.adapted_margin (squared
+// when the k-th key fell below the floor, its square root when the floor
+// admitted more than 1.5k); a floor above every key moves nothing.
+__global__ void settle(unsigned long long* state, double* margin, unsigned long long k, unsigned long long no_floor,
+                       int adapt) {
+    unsigned long long kth = state[PREFIX], floor = state[FLOOR];
+    if (adapt && floor != no_floor) {
+        if (kth < floor) margin[0] = margin[0] * margin[0];
+        else if (state[COUNT] > 3ULL * k / 2ULL) margin[0] = sqrt(margin[0]);
     }
-    __syncthreads();
-    for (int b = threadIdx.x; b < 256; b += blockDim.x)
-        if (local[b]) atomicAdd(hist + b, static_cast<unsigned long long>(local[b]));
-}
-
-// One thread: the byte that holds the state[2]-th largest key of the
-// histogram; extend the prefix by it, keep how many are still wanted, and
-// clear the histogram for the next pass.
-__global__ void choose_byte(unsigned long long* hist, unsigned long long* state, int shift) {
-    unsigned long long wanted = state[2], above = 0;
-    bool found = false;
-    for (int b = 255; b >= 0; --b) {
-        if (!found && above + hist[b] >= wanted) {
-            state[0] |= static_cast<unsigned long long>(b) << shift;
-            state[1] |= 255ULL << shift;
-            state[2] = wanted - above;
-            found = true;
-        }
-        above += hist[b];
-        hist[b] = 0ULL;
-    }
-}
-
-// The exact pick's sort keys for 16- and 32-bit floats: (key << 32) | ~position,
-// so that in an ascending sort the last k are the top k, by key and then by
-// ascending position (the contract's ties). Positions fit 32 bits here.
-template <typename Bits>
-__global__ void rank_keys(const Bits* __restrict__ bits, const long long* __restrict__ positions, long long m,
-                          unsigned mask, unsigned nan_key, unsigned long long* __restrict__ out) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i < m) {
-        long long p = positions[i];
-        unsigned key = magnitude_key<Bits, unsigned>(bits[p], mask, nan_key);
-        out[i] = (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<unsigned>(p));
-    }
+    state[PREVIOUS] = kth;
 }

@@ -15,8 +15,12 @@ device_select = pytest.importorskip("spar_comm.kernels.device_select", reason="n
 from spar_comm import kernels  # noqa: E402
 from spar_comm.kernels.selection import exact_topk  # noqa: E402
 
+from spar_comm.kernels.select_plan import Workspace  # noqa: E402
+
 METHODS = sorted(device_select.METHODS)
-TILE = device_select.TILE
+#: Positions one compaction block covers under the simulator: sizes below
+#: cross several blocks, and the words inside them.
+TILE = 512
 
 
 def _cupy_on_a_gpu():
@@ -172,11 +176,21 @@ def test_topk_of_a_cupy_array_selects_on_its_device(dtype):
             assert CUPY.asnumpy(got).tolist() == exact_topk(x, k).tolist(), (method, k)
 
 
-@pytest.mark.skipif(CUPY is None, reason="needs CuPy and a GPU (NUMBA_ENABLE_CUDASIM=0)")
-def test_the_gpu_gather_finds_every_candidate_when_its_first_room_is_too_small():
-    x = np.random.default_rng(5).standard_normal(100_000).astype(np.float32)
-    keys = device_select.Keys(CUPY.asarray(x))
-    floor = device_select.value_key(1.0, np.dtype(np.float32))  # about a third of the entries
-    for room in (0, 10, 100_000):
-        got = np.sort(CUPY.asnumpy(keys.at_least(floor, room)))  # in any order on a GPU
-        assert got.tolist() == np.flatnonzero(np.abs(x) >= 1.0).tolist(), room
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_a_floor_that_admits_too_many_or_too_few_still_selects_exactly(dtype):
+    """The gather's room is 2k + 1024: a floor of 0 overflows it, a floor above
+    every key admits nothing, and either way the radix select and the marking
+    read the whole array instead, on the device."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(3 * TILE + 1100).astype(dtype)
+    x[[9, 700]] = [np.nan, -np.inf]
+    x[100:300] = x[99]  # ties
+    device_x = on_device(x)
+    for k in (1, 7, 250):
+        for floor in (0, device_select.value_key(np.inf, np.dtype(dtype)) + 2):
+            workspace = Workspace(device_select.kernels_for(device_x), x.size, x.dtype, k)
+            workspace.floor_at(floor)
+            got = workspace.from_floor(device_select.bits_of(device_x))
+            got = got if CUPY is None else CUPY.asnumpy(got)
+            assert got.tolist() == exact_topk(x, k).tolist(), (k, floor)

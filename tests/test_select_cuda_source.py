@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from spar_comm.kernels import select_cuda
+from spar_comm.kernels import select_cuda, select_plan
 
 NVCC = shutil.which("nvcc")
 
@@ -16,7 +16,7 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
 def test_every_kernel_the_passes_launch_compiles(tmp_path):
-    names = select_cuda.kernel_names()
+    names = select_plan.kernel_names()
     unit = tmp_path / "instances.cu"
     unit.write_text(f'#include "{select_cuda.SOURCE}"\n'
                     "void instantiate() {\n  const void* kernels[] = {\n"
@@ -24,10 +24,16 @@ def test_every_kernel_the_passes_launch_compiles(tmp_path):
     done = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-c", str(unit), "-o", str(tmp_path / "instances.o")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert len(names) == 17  # 4 kernels for each of 3 widths, steer and rank_keys for 2 each, choose_byte
+    assert len(names) == 8 + 3 * 8 + 2  # 8 plain kernels, 8 for each of 3 widths, steer for 2 key types
 
 
-def test_the_python_side_imports_without_cupy():
-    """The names and types are plain data: nothing here needs a GPU to be read."""
-    assert "at_least<unsigned int, unsigned int>" in select_cuda.kernel_names()
-    assert select_cuda.FLOORS == 63 and set(select_cuda.C_TYPES) == {2, 4, 8}
+def test_the_state_slots_are_named_alike_on_both_sides():
+    """select.cu's enum Slot and select_plan.STATE: one order, or every kernel
+    reads the wrong slot."""
+    source = select_cuda.SOURCE.read_text()
+    enum = source[source.index("enum Slot {") + len("enum Slot {"): source.index("};", source.index("enum Slot {"))]
+    names = [line.split("//")[0].strip().rstrip(",").lower() for line in enum.splitlines()]
+    assert [name for name in names if name] == list(select_plan.STATE)
+    for constant, value in (("COMPACT_THREADS", select_cuda.COMPACT_THREADS), ("WORDS", select_cuda.WORDS),
+                            ("FLOORS", select_plan.FLOORS)):
+        assert f"#define {constant} {value}\n" in source
