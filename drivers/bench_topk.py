@@ -14,6 +14,11 @@ data, it times as the median of --repeat runs after one warm-up run:
 ``--device gpu`` runs the device kernels (``kernels.device_select``) on CuPy
 arrays, timed by CUDA events; ``--device gpu-simulator`` runs the same
 kernels under numba-cuda's simulator (for tests: its times mean nothing).
+On the GPU, ``--graphs`` also times each method captured once in a CUDA
+graph and replayed (``<method>+graph``), and ``--cub-topk LIB`` adds CUB's
+``DeviceTopK`` on float32 (``drivers/build_cub_topk.sh`` builds LIB). The
+JSON's ``libraries`` says, for each public top-k library, whether it ran
+and, if not, why.
 
 It prints one table row per (n, d, dtype, method) with the speed-up over the
 reference baseline (argpartition on the CPU, torch.topk on the GPU), the
@@ -79,11 +84,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the Gaussian test data (default: 0)")
     parser.add_argument("--out", metavar="FILE.json", help="write the records and machine metadata here as JSON")
     parser.add_argument("--no-torch", action="store_true", help="leave torch.topk out even when torch is installed")
+    parser.add_argument("--graphs", action="store_true",
+                        help="gpu: also time every method captured in a CUDA graph and replayed")
+    parser.add_argument("--cub-topk", metavar="LIB.so",
+                        help="gpu: add CUB's DeviceTopK from this library (drivers/build_cub_topk.sh builds it)")
     args = parser.parse_args(argv)
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         parser.error(f"--out: the folder of {args.out!r} does not exist")
+    if (args.graphs or args.cub_topk) and args.device != "gpu":
+        parser.error("--graphs and --cub-topk need --device gpu")
+    if args.cub_topk and not os.path.isfile(args.cub_topk):
+        parser.error(f"--cub-topk: no such file {args.cub_topk!r}")
     try:
         args.bench = BENCHES[args.device](load_torch(not args.no_torch))
+        if args.device == "gpu":
+            args.bench.configure(args.graphs, args.cub_topk)
     except RuntimeError as error:
         parser.error(f"--device {args.device}: {error}")
     unknown = [m for m in args.methods if m not in args.bench.methods]
@@ -187,6 +202,31 @@ class GpuBench(SimulatedGpuBench):
         self.methods = sorted(self.kernels)
         self.reference = "torch.topk" if torch is not None else "cupy.argpartition"
 
+    def configure(self, graphs: bool, cub_topk: Optional[str]) -> None:
+        """Graph replays of every method, and CUB's DeviceTopK from ``cub_topk``."""
+        self.graphs = graphs
+        self.cub = None
+        if cub_topk:
+            import ctypes
+
+            self.cub = ctypes.CDLL(os.path.abspath(cub_topk))
+            self.cub.cub_topk_scratch.restype = ctypes.c_size_t
+            self.cub.cub_topk_scratch.argtypes = [ctypes.c_longlong, ctypes.c_longlong]
+            self.cub.cub_topk.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_longlong,
+                                          ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+    def libraries(self) -> Dict[str, str]:
+        """For each public top-k library: "ran", or why it did not."""
+        return {
+            "torch.topk": "ran" if self.torch is not None else "not run: no CUDA torch",
+            "cub.DeviceTopK": "ran (float32)" if self.cub is not None else
+            "not run: no --cub-topk library (drivers/build_cub_topk.sh builds one from the cuda-cccl wheel)",
+            "cuvs.select_k": "not run: cuvs-cu13 26.10 needs libcuvs-cu13, a 241 MB wheel: more than a call to "
+            "the lent GPU machine carries (64 MiB), and that machine has no package index",
+            "flashinfer.top_k": "not run: flashinfer-python 0.7.2 is a 62 MB wheel with a dozen dependencies "
+            "(cuda-tile, nvidia-cutlass-dsl, apache-tvm-ffi, ...): more than a call to the lent GPU machine carries",
+        }
+
     def put(self, x: np.ndarray):
         return self.cupy.asarray(x)
 
@@ -203,7 +243,46 @@ class GpuBench(SimulatedGpuBench):
         if self.torch is not None:
             t = self.torch.from_dlpack(x)  # the same device memory
             runs["torch.topk"] = lambda: self.torch.topk(t.abs(), k, sorted=False)
+        if self.cub is not None and x.dtype == np.float32:
+            runs["cub.DeviceTopK"] = self._cub_run(x, k)
         return runs
+
+    def _cub_run(self, x, k: int) -> Callable[[], object]:
+        cupy = self.cupy
+        scratch_bytes = self.cub.cub_topk_scratch(x.size, k)
+        if scratch_bytes == 0:
+            raise RuntimeError(f"cub_topk_scratch failed for n={x.size}, k={k}")
+        scratch = cupy.empty(scratch_bytes, dtype=np.uint8)
+        keys, positions = cupy.empty(k, dtype=np.float32), cupy.empty(k, dtype=np.int64)
+
+        def run():
+            code = self.cub.cub_topk(scratch.data.ptr, scratch_bytes, x.data.ptr, x.size, k, keys.data.ptr,
+                                     positions.data.ptr, cupy.cuda.get_current_stream().ptr)
+            if code != 0:
+                raise RuntimeError(f"cub::DeviceTopK::MaxPairs failed with cudaError {code}")
+            return positions
+
+        return run
+
+    def graph(self, run: Callable[[], object]) -> Callable[[], object]:
+        """``run`` captured once in a CUDA graph on a stream of its own; a replay
+        launches the graph on the current stream's timeline."""
+        cupy = self.cupy
+        stream = cupy.cuda.Stream(non_blocking=False)
+        with stream:
+            run()  # buffers a selector keeps are made outside the capture
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                answer = run()
+            finally:
+                graph = stream.end_capture()
+
+        def replay():
+            graph.launch()
+            return answer
+
+        return replay
 
     def time(self, run: Callable[[], object], repeat: int) -> Tuple[float, float]:
         """(median, min) seconds between CUDA events around each run, after one warm-up."""
@@ -269,19 +348,24 @@ def bench(args: argparse.Namespace) -> List[Dict[str, object]]:
                 runs = where.baselines(x, k)
                 for method in args.methods:
                     runs[method] = functools.partial(where.make(method), x, k)
+                    if getattr(where, "graphs", False):
+                        runs[method + "+graph"] = where.graph(functools.partial(where.make(method), x, k))
                 times = {name: where.time(run, args.repeat) for name, run in runs.items()}
                 times["floor"] = floor
                 reference = times[where.reference][0]
                 for name, (med, best) in times.items():
-                    recall = None
-                    if name in SELECTORS:
-                        recall = np.intersect1d(where.to_host(runs[name]()), truth, assume_unique=True).size / truth.size
+                    recall, method = None, name.removesuffix("+graph")
+                    matches = None
+                    if method in SELECTORS or name == "cub.DeviceTopK":
+                        got = where.to_host(runs[name]())
+                        recall = np.intersect1d(got, truth).size / truth.size
+                        matches = got.tolist() == truth.tolist()  # the contract: these positions, ascending
                     records.append({
                         "n": n, "k": k, "density": density, "dtype": dtype, "device": args.device, "method": name,
-                        "exact": SELECTORS.get(name), "median_s": med, "min_s": best, "repeat": args.repeat,
+                        "exact": SELECTORS.get(method), "median_s": med, "min_s": best, "repeat": args.repeat,
                         "per_element_s": med / n, "read_gbps": host.nbytes / med / 1e9,
                         "reference": where.reference, "speedup_vs_reference": reference / med,
-                        "floor_multiple": med / floor[0], "recall": recall,
+                        "floor_multiple": med / floor[0], "recall": recall, "matches_reference": matches,
                     })
     return records
 
@@ -305,7 +389,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     records = bench(args)
     print(table(records))
     if args.out:
-        write_json(args.out, {"machine": {**machine(), **args.bench.describe()}, "records": records})
+        libraries = args.bench.libraries() if hasattr(args.bench, "libraries") else {}
+        write_json(args.out, {"machine": {**machine(), **args.bench.describe()}, "libraries": libraries,
+                              "records": records})
         print(f"wrote {len(records)} records to {args.out}")
     return 0
 

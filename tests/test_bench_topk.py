@@ -35,6 +35,7 @@ def test_the_gpu_benchmark_runs_every_device_kernel_under_the_simulator(run_driv
     methods = {r["method"]: r for r in document["records"]}
     assert set(methods) == {"argpartition", "floor", "exact", "mstopk", "threshold", "threshold_warm"}
     assert all(r["recall"] == 1.0 and r["device"] == "gpu-simulator" for r in methods.values() if r["exact"])
+    assert all(r["matches_reference"] for r in methods.values() if r["exact"])  # the positions, not only the set
     assert document["machine"]["device"] == "gpu-simulator"
 
 
@@ -43,3 +44,12 @@ def test_gpu_without_cupy_or_a_gpu_exits_2_naming_what_is_missing(run_driver):
     result = run_driver("bench_topk.py", "--device", "gpu", "--sizes", "1000")
     assert result.returncode == 2
     assert "--device gpu: needs CuPy and a GPU" in result.stderr
+
+
+def test_the_gpu_only_options_are_refused_elsewhere(run_driver, tmp_path):
+    for option in (["--graphs"], ["--cub-topk", str(tmp_path / "missing.so")]):
+        result = run_driver("bench_topk.py", "--sizes", "1000", *option)
+        assert result.returncode == 2 and "need --device gpu" in result.stderr, result.stderr
+    library = tmp_path / "libcub_topk.so"
+    result = run_driver("bench_topk.py", "--device", "gpu", "--sizes", "1000", "--cub-topk", library)
+    assert result.returncode == 2 and f"--cub-topk: no such file '{library}'" in result.stderr, result.stderr
