@@ -35,16 +35,19 @@ def test_the_simulated_check_runs_every_kind_of_step_and_reports(tmp_path):
 
 
 def test_the_targets_come_from_the_largest_float32_figures():
-    def record(method, ms, exact=None, recall=None, n=1 << 26):
+    def record(method, ms, exact=None, matches=None, n=1 << 26):
         return {"n": n, "dtype": "float32", "density": 0.001, "method": method, "median_s": ms / 1e3,
-                "exact": exact, "recall": recall, "floor_multiple": ms / 0.2}
+                "exact": exact, "matches_reference": matches, "floor_multiple": ms / 0.1}
 
-    records = [record("torch.topk", 3.0), record("threshold", 0.5, True, 1.0), record("mstopk", 2.0, True, 1.0),
-               record("exact", 0.4, True, 1.0, n=1 << 20), record("floor", 0.2)]
+    records = [record("torch.topk", 1.5), record("threshold", 0.25, True, True), record("mstopk", 0.5, True, True),
+               record("exact", 0.1, True, True, n=1 << 20), record("threshold_warm", 0.1, True, False),
+               record("cub.DeviceTopK", 0.2), record("floor", 0.1)]
     lines = gpu_check.targets(records)
-    assert lines[0].startswith("- fastest exact selection at 2^26: `threshold`, 6.00x torch.topk")
-    assert "40% of the one-read bandwidth" in lines[0]
-    assert lines[1].startswith("- mstopk: 1.50x torch.topk")
+    assert lines[0] == ("- fastest exact selection at 2^26: `threshold`, 0.250 ms (target at most 0.25 ms: **held**), "
+                        "6.00x torch.topk (target 6x: **held**), 2.50 reads of the vector")
+    assert lines[1].endswith("cub.DeviceTopK 0.200 ms): **missed**")  # a library ran faster
+    assert lines[2] == "- `mstopk`: 3.00x torch.topk (target 2x: **held**)"
+    assert lines[3] == "- **not the reference's positions**: threshold_warm"  # fast, but wrong: never the fastest
 
 
 def test_a_bad_budget_is_refused(tmp_path):

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Where a device selection's time goes: every launch of one call, timed by
+CUDA events, summed by kernel.
+
+    python drivers/bench_select_steps.py --sizes 67108864 --densities 0.001,0.01 --methods threshold_warm,mstopk
+
+For each (method, n, density, dtype) it makes one selector, calls it
+--warmup times, then times --repeat calls launch by launch (an event before
+and after each kernel of ``select.cu``; the events themselves cost a little)
+and prints, per kernel, the median over calls of its summed milliseconds, the
+whole call's median without the events, and one read of x (``x.max()``) for
+scale. --out writes the figures as JSON. Needs CuPy and a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from spar_comm.cli import comma_list, positive_int
+from spar_comm.files import write_json
+
+METHODS = ("exact", "mstopk", "threshold", "threshold_warm")
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=comma_list(int, lambda v: v >= 2, "an integer >= 2"), default=[1 << 26],
+                        help="comma-separated lengths (default: 2^26)")
+    parser.add_argument("--densities", type=comma_list(float, lambda v: 0 < v < 1, "in (0, 1)"),
+                        default=[0.001, 0.01], help="comma-separated k/n (default: 0.001,0.01)")
+    parser.add_argument("--methods", type=comma_list(str, lambda m: m in METHODS, f"one of {', '.join(METHODS)}"),
+                        default=list(METHODS), help="comma-separated device methods (default: all)")
+    parser.add_argument("--dtype", type=comma_list(str, lambda d: d in ("float16", "float32", "float64"),
+                                                   "float16, float32 or float64"), default=["float32"])
+    parser.add_argument("--warmup", type=positive_int, default=3, help="calls before timing (default: 3)")
+    parser.add_argument("--repeat", type=positive_int, default=10, help="timed calls (default: 10)")
+    parser.add_argument("--out", metavar="FILE.json", help="write the figures here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # ImportError, or no device
+        print(f"bench_select_steps.py: needs CuPy and a GPU ({type(error).__name__}: {error})", file=sys.stderr)
+        return 2
+    from spar_comm.kernels import device_select, select_cuda
+
+    kernels = select_cuda.kernels()
+    plain_launch = kernels.launch
+    timings: List[tuple] = []
+
+    def timed_launch(name, template, blocks, threads, *launch_args):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        plain_launch(name, template, blocks, threads, *launch_args)
+        end.record()
+        timings.append((name, start, end))
+
+    records = []
+    rng = np.random.default_rng(0)
+    for dtype in args.dtype:
+        for n in args.sizes:
+            x = cupy.asarray(rng.standard_normal(n, dtype=np.float32).astype(dtype))
+            read = []
+            for _ in range(args.repeat):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                x.max()
+                end.record()
+                end.synchronize()
+                read.append(cupy.cuda.get_elapsed_time(start, end))
+            for density in args.densities:
+                k = max(1, round(density * n))
+                for method in args.methods:
+                    selector = device_select.METHODS[method]()
+                    for _ in range(args.warmup):
+                        selector(x, k)
+                    whole = []
+                    for _ in range(args.repeat):
+                        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                        start.record()
+                        selector(x, k)
+                        end.record()
+                        end.synchronize()
+                        whole.append(cupy.cuda.get_elapsed_time(start, end))
+                    per_kernel: Dict[str, List[float]] = defaultdict(list)
+                    kernels.launch = timed_launch
+                    try:
+                        for _ in range(args.repeat):
+                            timings.clear()
+                            selector(x, k)
+                            cupy.cuda.get_current_stream().synchronize()
+                            sums: Dict[str, float] = defaultdict(float)
+                            for name, start, end in timings:
+                                sums[name] += cupy.cuda.get_elapsed_time(start, end)
+                            for name, ms in sums.items():
+                                per_kernel[name].append(ms)
+                    finally:
+                        kernels.launch = plain_launch
+                    record = {"method": method, "n": n, "k": k, "density": density, "dtype": dtype,
+                              "call_ms": statistics.median(whole), "read_ms": statistics.median(read),
+                              "launches": len(timings),
+                              "kernels_ms": {name: statistics.median(v) for name, v in per_kernel.items()}}
+                    records.append(record)
+                    print(f"\n{method} n={n} k={k} {dtype}: {record['call_ms']:.3f} ms a call "
+                          f"({record['call_ms'] / record['read_ms']:.2f} reads), {record['launches']} launches")
+                    for name, ms in sorted(record["kernels_ms"].items(), key=lambda item: -item[1]):
+                        print(f"  {name:<18} {ms:8.3f} ms")
+    if args.out:
+        write_json(args.out, {"records": records})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
