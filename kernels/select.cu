@@ -37,6 +37,8 @@ enum Slot {
 #define WORDS 8
 // Floors a bisection pass counts: 8 halvings a pass (steer's block has a thread for each).
 #define FLOORS 255
+// Entries a thread of the gather takes a tile (16 used 107 registers a thread).
+#define GATHER_ITEMS 8
 
 // The magnitude key of one entry.
 template <typename Bits, typename Key>
@@ -92,11 +94,13 @@ __global__ void set_floor(unsigned long long* state, int slot, unsigned long lon
 }
 
 // Every key at or above the floor, with its position, appended in any order.
-// A block takes tiles of 4 * blockDim.x entries; the warps count their votes,
-// and one atomic a tile reserves the block's slots (one counter, so one atomic
-// a warp would queue behind each other at 1% density). COUNT ends with how many
-// there are, also when that is more than `capacity` (then only the first
-// `capacity` were written, and the radix select reads the whole array).
+// A block takes tiles of GATHER_ITEMS * blockDim.x entries; the warps count
+// their votes, and one atomic a tile reserves the block's slots (one counter,
+// so one atomic a warp would queue behind each other at 1% density, and the
+// block waits for each reservation: large tiles make them few). COUNT ends
+// with how many there are, also when that is more than `capacity` (then only
+// the first `capacity` were written, and the radix select reads the whole
+// array).
 // Requires blockDim.x a multiple of 32, at most 1024.
 template <typename Bits, typename Key>
 __global__ void gather_at_least(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
@@ -107,17 +111,17 @@ __global__ void gather_at_least(const Bits* __restrict__ bits, long long n, Key 
     const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const unsigned below = (1u << lane) - 1u;
     const Key floor = static_cast<Key>(state[FLOOR]);
-    const long long tile = 4LL * blockDim.x;
+    const long long tile = static_cast<long long>(GATHER_ITEMS) * blockDim.x;
     for (long long start = blockIdx.x * tile; start < n; start += gridDim.x * tile) {  // the same trips for the block
-        Bits b[4];
+        Bits b[GATHER_ITEMS];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {  // four loads in flight before the first use
+        for (int u = 0; u < GATHER_ITEMS; ++u) {  // every load in flight before the first use
             long long i = start + u * blockDim.x + threadIdx.x;
             b[u] = i < n ? bits[i] : Bits(0);
         }
-        unsigned votes[4], taken = 0u;
+        unsigned votes[GATHER_ITEMS], taken = 0u;
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < GATHER_ITEMS; ++u) {
             long long i = start + u * blockDim.x + threadIdx.x;
             votes[u] = __ballot_sync(FULL_WARP, i < n && magnitude_key<Bits, Key>(b[u], mask, nan_key) >= floor);
             taken += __popc(votes[u]);
@@ -136,7 +140,7 @@ __global__ void gather_at_least(const Bits* __restrict__ bits, long long n, Key 
         __syncthreads();
         unsigned long long slot = block_first + warp_first[warp];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < GATHER_ITEMS; ++u) {
             if ((votes[u] >> lane) & 1u) {
                 unsigned long long mine = slot + __popc(votes[u] & below);
                 if (mine < capacity) {
@@ -386,7 +390,8 @@ __global__ void mean_bracket(const double* stats, unsigned long long* state, Key
 // A key at or above the lowest floor finds its bucket [f[j], f[j+1]) by a
 // binary search and counts there in shared memory; the block adds the
 // buckets' suffix sums. Keys below the lowest floor, the most of them after
-// the first pass, cost one compare.
+// the first pass, cost one compare. (Counting the lowest buckets, where the
+// first pass puts most keys, in registers instead was slower on an H200.)
 template <typename Bits, typename Key>
 __global__ void count_at_least(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
                                const Key* __restrict__ floors, unsigned long long* __restrict__ counts) {
