@@ -47,6 +47,18 @@ def find_mpiexec() -> str:
             or shutil.which("mpiexec") or "mpiexec")
 
 
+@pytest.fixture
+def fast_simulator():
+    """Numba's CUDA simulator runs a Python thread per GPU thread, and each of
+    its barriers waits for the interpreter to switch threads (every 5 ms by
+    default): a shorter switch interval runs simulated kernels several times
+    faster (measured: a selection of 1,553 entries in 0.26 s instead of 2.1)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(before)
+
+
 @pytest.fixture(autouse=True)
 def no_orphaned_shared_memory():
     """Tests that end a job on purpose (MPI_Abort, SIGKILL) leave MPI's

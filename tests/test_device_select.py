@@ -17,6 +17,7 @@ from spar_comm.kernels.selection import exact_topk  # noqa: E402
 
 from spar_comm.kernels.select_plan import Workspace  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fast_simulator")
 METHODS = sorted(device_select.METHODS)
 #: Positions one compaction block covers under the simulator: sizes below
 #: cross several blocks, and the words inside them.

@@ -18,7 +18,8 @@ from numba import config  # noqa: E402
 from spar_comm.kernels import device_select, select_cuda, select_numba  # noqa: E402
 from spar_comm.kernels.selection import exact_topk  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not config.ENABLE_CUDASIM, reason="runs the twins under Numba's CUDA simulator")
+pytestmark = [pytest.mark.skipif(not config.ENABLE_CUDASIM, reason="runs the twins under Numba's CUDA simulator"),
+              pytest.mark.usefixtures("fast_simulator")]
 
 
 class HostRead(AssertionError):
