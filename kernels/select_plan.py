@@ -83,7 +83,10 @@ class Workspace:
         self.state = xp.zeros(len(STATE), dtype=np.uint64)
         self.state[SLOT["previous"]] = NO_KEY
         self.margin = xp.zeros(1, dtype=np.float64)
-        room = max(self.capacity, SAMPLE)
+        #: The strided sample ``threshold`` starts from: every stride-th entry, up to 2 * SAMPLE of them.
+        self.stride = max(1, n // SAMPLE)
+        self.sampled = -(-n // self.stride)
+        room = max(self.capacity, self.sampled)
         self.keys = xp.empty(room, dtype=self.key)
         self.positions = xp.empty(room, dtype=np.int64)
         self.hist = xp.zeros(1 << RADIX_BITS, dtype=np.uint64)
@@ -167,8 +170,7 @@ class Workspace:
     def sample_floor(self, bits: Any) -> None:
         """A floor with at least k keys above it with high confidence: a strided
         sample's key at the expected count plus four standard deviations."""
-        stride = max(1, self.n // SAMPLE)
-        m = -(-self.n // stride)
+        stride, m = self.stride, self.sampled
         expected = self.k * m / self.n
         rank = int(expected + 4.0 * math.sqrt(expected)) + 4
         if rank >= m:

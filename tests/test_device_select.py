@@ -178,6 +178,16 @@ def test_topk_of_a_cupy_array_selects_on_its_device(dtype):
 
 
 @pytest.mark.slow
+def test_a_sample_larger_than_the_sample_size_fits_its_buffer():
+    """From SAMPLE to 2 * SAMPLE entries the stride is 1: the whole array is
+    the sample, more keys than SAMPLE, and the buffer must hold them all."""
+    from spar_comm.kernels.magnitude import SAMPLE
+
+    x = np.random.default_rng(9).standard_normal(SAMPLE + 3000).astype(np.float32)
+    check(x, 5, "threshold")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_a_floor_that_admits_too_many_or_too_few_still_selects_exactly(dtype):
     """The gather's room is 2k + 1024: a floor of 0 overflows it, a floor above
