@@ -11,8 +11,10 @@ each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``,
 ``hitopk`` and ``adasum`` keep in the node's shared memory (no copy in;
 ``--no-shared-buffer`` passes a private array instead). The table shows
 time, CPU time (the process's, on the rank that used most: where ranks
-share cores, what a call costs training however well it overlaps),
-selection and communication time, and the bytes each rank sends inside and
+share cores, what a call costs training however well it overlaps), both
+also in reads (over one read of the gradient, ``grad.max()``, by every rank
+at once, timed in the same rounds: the unit a memory-bound call is counted
+in), selection and communication time, and the bytes each rank sends inside and
 between nodes (ring model, see spar_comm.collectives.channel).
 ``--device gpu`` puts each rank's gradient on its GPU as a CuPy array (the
 bytes copied through host buffers, when MPI is not CUDA-aware, are in the
@@ -32,6 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank (power
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -113,36 +116,42 @@ def options_of(algorithm: str, args: argparse.Namespace) -> dict:
     return {setting: getattr(args, setting) for setting in ("values", "indices") if algorithm in CODECS[setting]}
 
 
-def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> list:
+def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> tuple:
     """For each reducer: the median of the slowest rank's time per call, of the
-    most CPU time a rank used in it, and of the call's figures. Calls go
-    round-robin over the reducers. ``grad`` is an array of the topology's
-    memory (NumPy, or CuPy on a GPU); a call returns once its result is
-    written, the device's stream included."""
+    most CPU time a rank used in it, and of the call's figures; and the same
+    two medians of one read of the gradient (``grad.max()``) by every rank at
+    once, measured in the same rounds, the unit ``reads`` are counted in.
+    Calls go round-robin over the reducers and the read. ``grad`` is an array
+    of the topology's memory (NumPy, or CuPy on a GPU); a call returns once
+    its result is written, the device's stream included."""
     world = reducers[0].topology.world
     out = reducers[0].xp.empty_like(grad)  # a training loop reduces into a buffer it keeps
     sends = [reducer.buffer if shared_buffer else grad for reducer in reducers]
     for send in sends:
         send[...] = grad
+    calls = [functools.partial(reducer.allreduce, send, out=out) for reducer, send in zip(reducers, sends)]
+    calls.append(lambda: float(grad.max()))  # one read of the vector (float: the device's too)
     for _ in range(warmup):
-        for reducer, send in zip(reducers, sends):
-            reducer.allreduce(send, out=out)
-    rows = np.zeros((len(reducers), repeat, 2 + len(FIGURES)))
+        for call in calls:
+            call()
+    rows = np.zeros((len(calls), repeat, 2 + len(FIGURES)))
     for i in range(repeat):
-        for j, (reducer, send) in enumerate(zip(reducers, sends)):
+        for j, call in enumerate(calls):
             world.Barrier()
             start, cpu = MPI.Wtime(), time.process_time()
-            reducer.allreduce(send, out=out)
+            call()
             rows[j, i, :2] = MPI.Wtime() - start, time.process_time() - cpu
-            rows[j, i, 2:] = [reducer.last[name] for name in FIGURES]
+            if j < len(reducers):
+                rows[j, i, 2:] = [reducers[j].last[name] for name in FIGURES]
     slowest = np.empty_like(rows)
     world.Allreduce(rows, slowest, op=MPI.MAX)
     sent = np.array([[r.last[name] for name in COUNTS] for r in reducers], np.int64)
     most, total = np.empty_like(sent), np.empty_like(sent)
     world.Allreduce(sent, most, op=MPI.MAX)
     world.Allreduce(sent, total, op=MPI.SUM)
-    return [{**summary(times, figures), "bytes_inter_all_ranks": int(sum_[1])}
-            for times, figures, sum_ in zip(slowest, most, total)]
+    read = {"time_median": float(np.median(slowest[-1, :, 0])), "cpu_median": float(np.median(slowest[-1, :, 1]))}
+    return [{**summary(times, figures, read), "bytes_inter_all_ranks": int(sum_[1])}
+            for times, figures, sum_ in zip(slowest[:-1], most, total)], read
 
 
 def link_counter(world: MPI.Comm, iface: str) -> str | None:
@@ -180,8 +189,9 @@ def link_bytes(reducers: list, sends: list, out, counter: str | None) -> list:
     return world.allreduce(np.array(counts, np.int64)).tolist()
 
 
-def summary(slowest: np.ndarray, most: np.ndarray) -> dict:
-    """One reducer's row: ``slowest`` is (repeat, time + CPU time + FIGURES), ``most`` its COUNTS."""
+def summary(slowest: np.ndarray, most: np.ndarray, read: dict) -> dict:
+    """One reducer's row: ``slowest`` is (repeat, time + CPU time + FIGURES),
+    ``most`` its COUNTS, ``read`` the medians of one read of the gradient."""
     medians = np.median(slowest, axis=0)
     return {
         "time_median": float(medians[0]),
@@ -189,6 +199,8 @@ def summary(slowest: np.ndarray, most: np.ndarray) -> dict:
         "time_p90": float(np.percentile(slowest[:, 0], 90)),
         "times": slowest[:, 0].tolist(),
         "cpu_median": float(medians[1]),
+        "time_reads": float(medians[0]) / read["time_median"],
+        "cpu_reads": float(medians[1]) / read["time_median"],
         **{name: float(value) for name, value in zip(FIGURES, medians[2:])},
         **{name: int(value) for name, value in zip(COUNTS, most)},
     }
@@ -230,8 +242,9 @@ def main() -> int:
                         for kind, name in (("values", args.values), ("indices", args.indices)) if name)
         print(f"# {topology.describe()}; {args.dtype}, density {args.density}, selector {args.selector}{codec}")
         print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
-        header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'cpu ms':>8} {'select':>8} " \
-                 f"{'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}"
+        print("# reads: time and CPU over one read of the gradient by every rank at once, in the same rounds")
+        header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'cpu ms':>8} {'reads':>6} " \
+                 f"{'cpu rd':>6} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}"
         print(header, flush=True)
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
@@ -239,7 +252,7 @@ def main() -> int:
         reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector,
                                     shared_buffer=args.shared_buffer,
                                     **options_of(a, args)) for a in args.algorithms]
-        measured = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
+        measured, read = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
         if args.link_counters:
             sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
             for figures, count in zip(measured, link_bytes(reducers, sends, topology.memory.xp.empty_like(grad), counter)):
@@ -249,12 +262,14 @@ def main() -> int:
         times = {algorithm: figures["time_median"] for algorithm, figures in zip(args.algorithms, measured)}
         dense_time = times.get("dense")
         for algorithm, figures in zip(args.algorithms, measured):
-            row = {"algorithm": algorithm, "size": size, "nbytes": grad.nbytes, **figures}
+            row = {"algorithm": algorithm, "size": size, "nbytes": grad.nbytes, "read_median": read["time_median"],
+                   **figures}
             results.append(row)
             if lead:
                 ratio = f"{dense_time / row['time_median']:7.1f}x" if dense_time else f"{'':>8}"
                 print(f"{size:>10} {algorithm:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
-                      f"{row['cpu_median'] * 1e3:8.3f} {row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
+                      f"{row['cpu_median'] * 1e3:8.3f} {row['time_reads']:6.2f} {row['cpu_reads']:6.2f} "
+                      f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
                       f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)
         if lead and args.out:
             write_json(args.out, {"meta": meta, "results": results})

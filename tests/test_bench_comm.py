@@ -24,6 +24,10 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
     # 41 pairs: 164 bytes of values padded to 168, then 164 bytes of indices, padded to 336
     assert rows["topka", 4099]["bytes_inter"] == 336
     assert all(row["time_median"] > 0 and row["cpu_median"] > 0 for row in rows.values())
+    for row in rows.values():  # reads: over one read of the same vector, timed in the same rounds
+        assert row["read_median"] > 0 and row["time_reads"] == pytest.approx(row["time_median"] / row["read_median"])
+        assert row["cpu_reads"] == pytest.approx(row["cpu_median"] / row["read_median"])
+    assert len({row["read_median"] for row in rows.values() if row["size"] == 4099}) == 1  # one read a size
     for algorithm in ALGORITHMS:  # one table line per algorithm and size
         assert len(re.findall(rf"^\s*\d+ {algorithm} ", result.stdout, re.M)) == 2, result.stdout
 
