@@ -166,7 +166,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Exception:
+    except (Exception, KeyboardInterrupt):
         # A failure of this rank alone: the others may wait in a collective, so
         # report it and abort the whole job. Ranks other than 0 wait a moment
         # first, so a failure that every rank hit is printed once, by rank 0.

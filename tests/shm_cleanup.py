@@ -19,13 +19,13 @@ def mpi_segments() -> set:
         return set()
 
 
-def remove_orphaned_segments(before: set) -> None:
-    """Remove MPI's shared-memory files that appeared since ``before`` and that
-    no live process maps or holds open: what a job ended by MPI_Abort or
-    SIGKILL leaves behind (MPI gets no chance to unlink them)."""
+def orphaned_segments(before: set) -> set:
+    """MPI's shared-memory files that appeared since ``before`` and that no
+    live process maps or holds open: what a job ended by MPI_Abort or SIGKILL
+    leaves behind (MPI gets no chance to unlink them)."""
     new = mpi_segments() - before
     if not new:
-        return
+        return new
     in_use = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -35,7 +35,12 @@ def remove_orphaned_segments(before: set) -> None:
                           for name in new if name in os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
             continue
-    for name in new - in_use:
+    return new - in_use
+
+
+def remove_orphaned_segments(before: set) -> None:
+    """Remove ``orphaned_segments(before)``."""
+    for name in orphaned_segments(before):
         try:
             os.unlink(os.path.join(SHM, name))
         except OSError:

@@ -16,7 +16,7 @@ import array_api_compat
 from mpi4py import MPI
 from tqdm import tqdm
 
-from .. import __version__
+from .. import __version__, waiting
 from ..collectives import AUTO
 from ..consensus import raise_if_any
 from ..costmodel import auto
@@ -171,6 +171,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         except OSError as exc:
             problem = f"cannot write the trace {config.trace}: {exc}"
     raise_if_any(topology.world, problem)
+    forget_trace = waiting.at_end(writer.close) if writer else None  # a fault or a signal ends the job with it closed
     recorder = StepRecorder(group.comm, config.trace_every, writer)
     stop = StopControl(group, config.stop_after, config.time_limit)
     bar = tqdm(total=total, initial=start, disable=not (rank0 and config.progress), unit="step", dynamic_ncols=True)
@@ -230,6 +231,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
                             local_velocity=aids.velocity, schedule=density, priced=priced)
     if writer:
+        forget_trace()
         writer.close()
     summary = None
     if rank0:
@@ -241,7 +243,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
             select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
             density=per_step[COLUMN["density"]], bytes_inter=per_step[COLUMN["bytes_inter"]],
         )
-    return group.comm.bcast(summary, root=0)
+    with waiting.watched("Bcast of the summary", group.comm):
+        return group.comm.bcast(summary, root=0)
 
 
 def default_epochs(dataset: str) -> int:

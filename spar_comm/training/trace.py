@@ -28,6 +28,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
+from .. import waiting
 from ..files import (DIGEST, BadFileError, attribute, create_hdf5, dataset, finite, fixed_length_text, open_hdf5, seal,
                      stamp, text_attributes, unstamp, verify)
 from ..mpi_strings import library_version
@@ -84,7 +85,7 @@ class StepRecorder:
         if n == 0:
             return
         recv = None if self.recv is None else self.recv[: self.comm.size * n * len(FIELDS)].reshape(self.comm.size, n, -1)
-        self.comm.Gather(self.rows[:n], recv, root=0)
+        waiting.collective(self.comm, "Gather", self.rows[:n], recv, root=0, nbytes=self.rows[:n].nbytes)
         self.count = 0
         if recv is None:
             return
