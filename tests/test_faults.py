@@ -100,11 +100,12 @@ def saved_step(checkpoint: Path) -> int:
         return -1
 
 
-def running(tmp_path: Path, ranks: int = 2, timeout: float = TIMEOUT, *extra: str) -> tuple:
-    """A long run with a periodic checkpoint, once its trace holds some steps: (job, checkpoint, its arguments)."""
+def running(tmp_path: Path, ranks: int = 2, timeout: float = TIMEOUT, ranks_per_node: int = 1) -> tuple:
+    """A long run with a periodic checkpoint, once its trace holds some steps: (job, checkpoint, its arguments).
+    Nodes of 2 ranks share memory windows: MPI's files in /dev/shm."""
     ckpt, trace = tmp_path / "c.h5", tmp_path / "t.h5"
-    args = [*FAST, "--epochs", "10000", "--ranks-per-node", "1", "--checkpoint", str(ckpt),
-            "--checkpoint-period", "0.3", "--trace", str(trace), *extra]
+    args = [*FAST, "--epochs", "10000", "--ranks-per-node", str(ranks_per_node), "--checkpoint", str(ckpt),
+            "--checkpoint-period", "0.3", "--trace", str(trace)]
     job = Job(ranks, args, timeout)
     try:
         _wait_for_steps(trace, job.process)
@@ -149,7 +150,7 @@ def test_a_stopped_rank_ends_the_job_at_the_deadline_and_it_resumes_to_the_same_
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_ends_a_rank_stuck_in_a_collective(tmp_path, sig):
-    job, _, _ = running(tmp_path, 2, 60)
+    job, _, _ = running(tmp_path, 2, 60, ranks_per_node=2)
     try:
         os.kill(job.rank(1), signal.SIGSTOP)
         time.sleep(0.5)  # rank 0 is now stuck waiting for rank 1
