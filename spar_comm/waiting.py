@@ -62,6 +62,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from mpi4py import MPI
 
+from .segments import remove_mapped_segments
+
 
 #: ``sleep`` (the default) or ``spin``; read when a ``Topology`` is made.
 ENV_WAIT = "SPAR_COMM_WAIT"
@@ -200,25 +202,6 @@ def end_job(message: str, status: int, comm: Optional[MPI.Comm] = None) -> None:
     exit_anyway.start()
     time.sleep(OUTPUT_GRACE_S)
     comm.Abort(status)
-
-
-#: MPI's shared-memory files (MPICH's, and Open MPI's transport and windows).
-SEGMENT_PREFIXES = ("mpich_shm_", "sm_segment.")
-
-
-def remove_mapped_segments() -> None:
-    """Unlink the MPI shared-memory files in /dev/shm that this process maps:
-    a job ended by an abort leaves them, since MPI gets no chance to. The
-    ranks still mapping them keep their memory until they exit."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/dev/shm/" in line}
-    except OSError:
-        return
-    for path in paths:
-        if os.path.basename(path).startswith(SEGMENT_PREFIXES):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
 
 def _start_watchdog() -> None:

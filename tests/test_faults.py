@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -19,7 +20,8 @@ import pytest
 
 from conftest import ROOT
 from shm_cleanup import mpi_segments, orphaned_segments
-from spar_comm import waiting
+from spar_comm import emucluster, waiting
+from test_emucluster import REASON as EMU_REASON
 from test_train_runs import FAST, _wait_for_steps, datasets, mpi_command, run_train
 
 #: SPAR_COMM_TIMEOUT of the jobs, seconds.
@@ -130,6 +132,7 @@ def test_a_stopped_rank_ends_the_job_at_the_deadline_and_it_resumes_to_the_same_
     assert status == waiting.EXIT_TIMEOUT, err
     assert "[rank 0] spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT=4)" in err, err
     assert "[rank 0] spar_comm: still waiting, half-way to the deadline" in err, err
+    print(f"SIGSTOP of a rank: the job ended {seconds:.1f} s after the fault")
     assert seconds < TIMEOUT + 4, f"the job ended {seconds:.1f} s after the fault"
     job.assert_nothing_left()
 
@@ -163,6 +166,7 @@ def test_a_signal_ends_a_rank_stuck_in_a_collective(tmp_path, sig):
     if sig == signal.SIGTERM:  # handled by the clean stop, which a stuck rank never reaches: the watchdog ends it
         assert status == 128 + sig, err
         assert "[rank 0] spar_comm: SIGTERM while stuck:" in err, err
+    print(f"{sig.name} to a stuck rank: the job ended {seconds:.1f} s after the signal, status {status}")
     assert seconds < waiting.SIGNAL_GRACE_S + 3, f"the job ended {seconds:.1f} s after the signal"
     job.assert_nothing_left()
 
@@ -204,3 +208,107 @@ def test_a_full_disk_under_the_trace_is_an_error_on_every_rank(small_disk):
     assert result.returncode == 1, result.stderr
     assert result.stderr.count(f"train.py: WriteError: rank 0: cannot write the trace {trace}: ") == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+# -- on the emulated cluster: 2 hosts of 1 rank, TCP between them ------------------------
+EMU_PREFIX = "spx"  # not the default, so a user's own cluster is never touched
+
+
+@pytest.fixture
+def hosts():
+    if EMU_REASON is not None:
+        pytest.skip(f"no emulated cluster here: {EMU_REASON}")
+    emucluster.down(EMU_PREFIX)
+    spec = emucluster.up(emucluster.ClusterSpec(2, 1, "1gbit", "0us", EMU_PREFIX))
+    try:
+        yield spec
+    finally:
+        emucluster.down(EMU_PREFIX)
+
+
+def emulated_run(tmp_path: Path) -> tuple:
+    """train.py on the emulated hosts through ``emucluster.py run``, just
+    after it saved a periodic checkpoint past 10 steps, so that a fault now
+    meets the ranks in training, not in the patient wait while rank 0 saves
+    the next one: (launcher, checkpoint)."""
+    ckpt, trace = tmp_path / "c.h5", tmp_path / "t.h5"
+    command = [sys.executable, "drivers/emucluster.py", "--prefix", EMU_PREFIX, "run", "--", sys.executable,
+               "drivers/train.py", *FAST, "--epochs", "10000", "--checkpoint", str(ckpt), "--checkpoint-period", "1",
+               "--trace", str(trace)]
+    env = dict(os.environ, **{waiting.ENV_TIMEOUT: str(TIMEOUT)})
+    launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    deadline = time.monotonic() + LIMIT
+    while saved_step(ckpt) < 10:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.2)
+    last = saved_step(ckpt)
+    while saved_step(ckpt) == last:  # the checkpoint period is 1 s
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.02)
+    return launcher, ckpt
+
+
+def run_processes(launcher: subprocess.Popen) -> List[int]:
+    """The live processes of the job that ``emucluster.py run`` started (marked with its pid)."""
+    prefix = f"{emucluster.RUN_MARK}={launcher.pid}-".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if any(v.startswith(prefix) for v in environ.read().split(b"\0")):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def ended(launcher: subprocess.Popen, since: float) -> tuple:
+    """(launcher's status, its stdout and stderr, seconds from ``since`` until no process of the job was left)."""
+    try:
+        try:
+            out, err = launcher.communicate(timeout=LIMIT)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            pytest.fail(f"the launcher ran {LIMIT} s past the fault: {launcher.communicate()}")
+        while run_processes(launcher) and time.monotonic() < since + LIMIT:
+            time.sleep(0.05)
+        return launcher.returncode, out, err, time.monotonic() - since
+    finally:
+        launcher.kill()
+        for pid in run_processes(launcher):  # a failed test's leftovers
+            with _gone():
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
+def test_the_launcher_killed_leaves_no_process(tmp_path, hosts, sig):
+    segments = mpi_segments()
+    launcher, _ = emulated_run(tmp_path)
+    assert len(run_processes(launcher)) == 5  # mpiexec, a proxy per host, a rank per host
+    launcher.send_signal(sig)
+    status, out, err, seconds = ended(launcher, time.monotonic())
+    print(f"{sig.name} to the launcher: the job's last process ended {seconds:.1f} s later, status {status}")
+    assert seconds < 5, f"the job's last process ended {seconds:.1f} s after the launcher was signalled"
+    assert run_processes(launcher) == []
+    if sig == signal.SIGTERM:  # passed on to the ranks: the clean stop, with a checkpoint
+        assert status == 0 and "stopped by signal" in out, err
+        assert orphaned_segments(segments) == set()
+    else:  # mpiexec ends the job as its launcher dies; MPI's own files are the harness's to remove
+        assert status == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_a_link_taken_down_ends_the_job_at_the_deadline(tmp_path, hosts):
+    segments = mpi_segments()
+    launcher, ckpt = emulated_run(tmp_path)
+    subprocess.run(["ip", "link", "set", hosts.veth(1), "down"], check=True)
+    status, _, err, seconds = ended(launcher, time.monotonic())
+    assert status == waiting.EXIT_TIMEOUT, err
+    assert "[rank 0] spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT=4)" in err, err
+    print(f"a link down: the job's last process ended {seconds:.1f} s later, status {status}")
+    assert seconds < TIMEOUT + 6, f"the job's last process ended {seconds:.1f} s after the link went down"
+    assert run_processes(launcher) == []
+    assert orphaned_segments(segments) == set()
+    assert saved_step(ckpt) >= 10  # the last periodic checkpoint, whole

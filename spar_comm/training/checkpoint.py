@@ -60,24 +60,25 @@ def save_checkpoint(
     saved for every rank like the residuals. A ``schedule`` with a
     ``state_dict`` (density.py's Accordion) is saved from rank 0: its state
     is the same on every rank; so is ``priced`` (``Pricing.to_state``)."""
-    # Patient: the other ranks wait while rank 0 writes.
-    with waiting.watched(f"saving the checkpoint {path}", group.comm, patient=True):
-        span, residual = reducer.residual()
+    span, residual = reducer.residual()
+    with waiting.watched("Gather of the state to checkpoint", group.comm):
         # Pickled gather: once per checkpoint, never on the hot path.
         residuals = group.comm.gather((span, residual), root=0)
         local = group.comm.gather(None if local_velocity is None else to_host(local_velocity), root=0)
-        problem = None
-        if group.rank == 0:
-            tmp = path + ".tmp"
-            try:
-                _write(tmp, group, config, step, layout, params, velocity, reducer, shards, residuals, local,
-                       schedule, priced)
-                os.replace(tmp, path)
-            except OSError as error:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                problem = f"cannot write the checkpoint {path}: {error}; the previous one, if any, is intact"
-        raise_if_any(group.comm, problem, WriteError)  # and nobody leaves before the checkpoint is complete
+    problem = None
+    if group.rank == 0:
+        tmp = path + ".tmp"
+        try:
+            _write(tmp, group, config, step, layout, params, velocity, reducer, shards, residuals, local, schedule,
+                   priced)
+            os.replace(tmp, path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            problem = f"cannot write the checkpoint {path}: {error}; the previous one, if any, is intact"
+    # Patient: the others wait here while rank 0 writes (and nobody leaves before the checkpoint is complete).
+    with waiting.watched(f"rank 0 saving the checkpoint {path}", group.comm, patient=group.rank != 0):
+        raise_if_any(group.comm, problem, WriteError)
 
 
 def _write(tmp: str, group: Group, config: TrainConfig, step: int, layout: ParamLayout, params: Any, velocity: Any,
