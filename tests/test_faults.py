@@ -190,7 +190,8 @@ def test_a_full_disk_under_the_checkpoint_is_an_error_on_every_rank_and_the_last
             "--trace", str(tmp_path / "t.h5")]
     result = run_train(2, args)
     assert result.returncode == 1, result.stderr
-    assert result.stderr.count(f"train.py: WriteError: rank 0: cannot write the checkpoint {ckpt}: ") == 1, result.stderr
+    message = f"train.py: WriteError: rank 0: cannot write the checkpoint {ckpt}: "
+    assert result.stderr.count(message) == 1, result.stderr
     assert "No space left on device" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert saved_step(ckpt) == 10 and sorted(os.listdir(small_disk)) == ["c.h5"]
     kept = tmp_path / "kept.h5"  # resumed where there is room for the next checkpoint
