@@ -212,8 +212,9 @@ def read_saved(path: str, group: Group, layout: ParamLayout) -> Saved:
     """``read_checkpoint`` on every rank, with rank 0's ``priced`` on every
     rank (so that all choose alike). Collective; a bad file is refused on
     every rank alike."""
-    saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
-    return dataclasses.replace(saved, priced=group.comm.bcast(saved.priced, root=0))
+    with waiting.watched(f"reading the checkpoint {path}", group.comm, patient=True):  # each rank reads it all
+        saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
+        return dataclasses.replace(saved, priced=group.comm.bcast(saved.priced, root=0))
 
 
 def load_checkpoint(
