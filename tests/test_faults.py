@@ -301,14 +301,18 @@ def test_the_launcher_killed_leaves_no_process(tmp_path, hosts, sig):
 
 
 @pytest.mark.slow
-def test_a_link_taken_down_ends_the_job_at_the_deadline(tmp_path, hosts):
+@pytest.mark.parametrize("fault", ["down", "crawl"])
+def test_a_link_taken_down_or_slowed_to_a_crawl_ends_the_job_at_the_deadline(tmp_path, hosts, fault):
     segments = mpi_segments()
     launcher, ckpt = emulated_run(tmp_path)
-    subprocess.run(["ip", "link", "set", hosts.veth(1), "down"], check=True)
+    if fault == "down":
+        subprocess.run(["ip", "link", "set", hosts.veth(1), "down"], check=True)
+    else:  # 1 kbit/s: a message of a step takes longer than the deadline
+        emucluster.reshape(hosts, "1kbit", "0us")
     status, _, err, seconds = ended(launcher, time.monotonic())
     assert status == waiting.EXIT_TIMEOUT, err
-    assert "[rank 0] spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT=4)" in err, err
-    print(f"a link down: the job's last process ended {seconds:.1f} s later, status {status}")
+    assert "spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT=4)" in err, err
+    print(f"a link {fault}: the job's last process ended {seconds:.1f} s later, status {status}")
     assert seconds < TIMEOUT + 6, f"the job's last process ended {seconds:.1f} s after the link went down"
     assert run_processes(launcher) == []
     assert orphaned_segments(segments) == set()
