@@ -14,7 +14,6 @@ and spar_comm finds the hosts by itself (no --ranks-per-node).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 from spar_comm import emucluster
@@ -61,7 +60,7 @@ def main() -> int:
             print(f"links now {spec.rate} each way, {spec.delay} delay")
         elif args.verb == "run":
             spec = emucluster.load(args.prefix)
-            return subprocess.call(emucluster.mpiexec_command(spec, args.command, args.mpiexec, args.n))
+            return emucluster.start(spec, args.command, args.mpiexec, args.n).wait_forwarding()
         elif args.verb == "status":
             spec = emucluster.load(args.prefix)
             print(f"{spec.hosts} hosts x {spec.ranks_per_host} ranks, {spec.rate} each way, {spec.delay} delay")

@@ -111,8 +111,12 @@ def make_parser() -> RankZeroParser:
     run = p.add_argument_group("trace, checkpoints and stopping")
     run.add_argument("--trace", default="runs/train.h5", help="HDF5 trace path ('' for none)")
     run.add_argument("--trace-every", type=int, default=DEFAULTS.trace_every, help="steps between appends")
-    run.add_argument("--checkpoint", help="HDF5 checkpoint path, written at the end and on a stop")
-    run.add_argument("--checkpoint-every", type=int, default=0, help="also save every this many steps")
+    run.add_argument("--checkpoint", help="HDF5 checkpoint path, written at the end, on a stop and periodically")
+    run.add_argument("--checkpoint-every", type=int, default=0, help="also save every this many steps "
+                     "(instead of --checkpoint-period)")
+    run.add_argument("--checkpoint-period", type=float, default=DEFAULTS.checkpoint_period, metavar="SECONDS",
+                     help="also save every this many seconds of training, so that a fault costs at most one period "
+                     "(0: off)")
     run.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     run.add_argument("--stop-after", type=int, help="stop with a checkpoint once this many steps are done")
     run.add_argument("--time-limit", type=float, help="stop with a checkpoint once training has run this many seconds")
@@ -166,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Exception:
+    except (Exception, KeyboardInterrupt):
         # A failure of this rank alone: the others may wait in a collective, so
         # report it and abort the whole job. Ranks other than 0 wait a moment
         # first, so a failure that every rank hit is printed once, by rank 0.

@@ -14,9 +14,18 @@ another way and is refused with a message that says so.
 Everything created carries one prefix (namespaces ``<prefix>-h<i>``, bridge
 ``<prefix>-br``, root-side veths ``<prefix>-v<i>``) and ``down`` removes it,
 also when a previous run died half-way.
+
+A run (``start``, ``wait_forwarding``) passes the signals its launcher gets
+on to ``mpiexec``, which ends the job on SIGINT and SIGTERM and hands SIGUSR1
+and SIGUSR2 to the ranks; ``mpiexec`` gets SIGTERM when the launcher dies,
+even by SIGKILL; and once it has ended, whatever of the run is left in the
+hosts' namespaces (marked in its environment) is killed.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import itertools
 import json
 import os
 import re
@@ -29,7 +38,9 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
+
+from .segments import mpi_segments, remove_orphaned_segments
 
 PREFIX = "spc"
 IFACE = "emu0"  # the interface name inside every host, so FI_TCP_IFACE is one value
@@ -334,6 +345,100 @@ def mpiexec_command(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional
     ]
 
 
+#: The variable that marks a run's processes: the launcher's pid and a count.
+RUN_MARK = "SPAR_COMM_EMU_RUN"
+#: Signals a run's launcher passes on to mpiexec.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+PR_SET_PDEATHSIG = 1
+#: Seconds mpiexec has to end its job after a forwarded SIGINT or SIGTERM.
+STOP_GRACE_S = 10.0
+_started = itertools.count()
+
+
+def _die_with_parent() -> None:
+    """In mpiexec, before it starts: SIGTERM when its parent dies, by any signal."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Run:
+    """A job under mpiexec across the hosts: the launcher's process, and the
+    mark every process of the job carries in its environment."""
+
+    spec: ClusterSpec
+    process: subprocess.Popen
+    mark: str
+    segments: set  # MPI's files in /dev/shm before it started
+
+    def left(self) -> List[int]:
+        """The job's processes still alive in the hosts' namespaces."""
+        needle = f"{RUN_MARK}={self.mark}".encode()
+        found = []
+        for i in range(self.spec.hosts):
+            for pid in _run("ip", "netns", "pids", self.spec.namespace(i), check=False).stdout.split():
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as environ:
+                        if needle in environ.read().split(b"\0"):
+                            found.append(int(pid))
+                except OSError:
+                    continue
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL the launcher's session and what is left of the job in the
+        hosts; then remove the MPI shared-memory files its ranks left."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in self.left():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        gone_by = time.monotonic() + 2
+        while self.left() and time.monotonic() < gone_by:  # the killed still map their files
+            time.sleep(0.05)
+        remove_orphaned_segments(self.segments)
+
+    def wait_forwarding(self) -> int:
+        """Wait for the job, passing ``FORWARDED`` signals on to mpiexec; then
+        kill what is left of it. After SIGINT or SIGTERM mpiexec has
+        ``STOP_GRACE_S`` to end the job (it waits for ever for a host it cannot
+        reach). Its exit status (128 + n for a signal n)."""
+        stopping: List[float] = []
+
+        def forward(number: int, _: Any) -> None:
+            self.process.send_signal(number)
+            if number in (signal.SIGINT, signal.SIGTERM):
+                stopping.append(time.monotonic())
+
+        held = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        try:
+            while True:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self.process.wait(timeout=0.5)
+                    break
+                if stopping and time.monotonic() > stopping[0] + STOP_GRACE_S:
+                    self.kill()
+                    code = self.process.wait()
+                    break
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
+            self.kill()
+        return code if code >= 0 else 128 - code
+
+
+def start(spec: ClusterSpec, command: Sequence[str], mpiexec: Optional[str] = None, ranks: Optional[int] = None,
+          capture: bool = False) -> Run:
+    """``command`` under mpiexec across the hosts, in a session of its own (a
+    terminal's Ctrl-C reaches it once, through ``wait_forwarding``), ending
+    with this process and marked in its environment (``RUN_MARK``)."""
+    mark, segments = f"{os.getpid()}-{next(_started)}", mpi_segments()
+    pipe = subprocess.PIPE if capture else None
+    process = subprocess.Popen(mpiexec_command(spec, command, mpiexec, ranks), start_new_session=True, text=True,
+                               env=dict(os.environ, **{RUN_MARK: mark}), preexec_fn=_die_with_parent,
+                               stdout=pipe, stderr=pipe)
+    return Run(spec, process, mark, segments)
+
+
 def default_mpiexec() -> str:
     """The launcher beside this Python (the mpich wheel's), else ``mpiexec`` on PATH."""
     return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
@@ -358,18 +463,13 @@ def require_hydra(mpiexec: str) -> None:
 def run(spec: ClusterSpec, command: Sequence[str], timeout: Optional[float] = None,
         capture: bool = True) -> subprocess.CompletedProcess:
     """``command`` under mpiexec across the hosts. On a time-out the launcher's
-    process group and every process left in the hosts' namespaces are killed,
-    so nothing of the run survives it."""
-    process = subprocess.Popen(mpiexec_command(spec, command), start_new_session=True, text=True,
-                               stdout=subprocess.PIPE if capture else None,
-                               stderr=subprocess.PIPE if capture else None)
+    session and every process of the run left in the hosts' namespaces are
+    killed, so nothing of the run survives it."""
+    job = start(spec, command, capture=capture)
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        stdout, stderr = job.process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        for i in range(spec.hosts):
-            for pid in _run("ip", "netns", "pids", spec.namespace(i), check=False).stdout.split():
-                _run("kill", "-9", pid, check=False)
-        process.communicate()
+        job.kill()
+        job.process.communicate()
         raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(job.process.args, job.process.returncode, stdout, stderr)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import h5py
@@ -153,17 +154,42 @@ COMPACT_ATTRIBUTES = 1000
 MAGIC = b"spar_comm sha256 "
 
 
-def create_hdf5(path: Any) -> h5py.File:
+def create_hdf5(path: Any, in_memory: bool = False) -> h5py.File:
     """A new HDF5 file to ``stamp`` when done: the latest format (checksummed
     metadata), HEADER bytes before the HDF5 data, and the root's attributes
     kept in its object header however many: HDF5 can loop forever reading a
-    damaged heap of attributes (their dense storage, past 8)."""
+    damaged heap of attributes (their dense storage, past 8). ``in_memory``:
+    nothing is written to ``path`` until ``write_image``."""
     fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
     fcpl.set_userblock(HEADER)
     fcpl.set_attr_phase_change(COMPACT_ATTRIBUTES, COMPACT_ATTRIBUTES)
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    if in_memory:
+        fapl.set_fapl_core(backing_store=False)
     return h5py.File(h5py.h5f.create(os.fsencode(path), h5py.h5f.ACC_TRUNC, fapl=fapl, fcpl=fcpl))
+
+
+def system_error(error: BaseException) -> str:
+    """What a failed write says: the system's error where HDF5 buries it in a
+    long text (``errno = 28``), else the error as it is."""
+    found = re.search(r"errno = (\d+)", str(error))
+    return f"[Errno {found[1]}] {os.strerror(int(found[1]))}" if found else str(error)
+
+
+def write_image(f: h5py.File, path: Any) -> None:
+    """Write ``f``, made by ``create_hdf5(in_memory=True)``, to ``path`` with
+    plain file I/O and sync it: a full disk is then an OSError here, never a
+    failed write inside HDF5, which reports it at close, noisily, and can leave
+    the library in a state that crashes the process at exit."""
+    f.flush()
+    image = f.id.get_file_image()
+    with open(path, "wb") as out:
+        if image[:4] == b"\x89HDF":  # the image leaves out the user block: its place comes first
+            out.write(bytes(HEADER))
+        out.write(image)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def stamp(path: Any) -> None:

@@ -8,18 +8,13 @@ prints its traceback and aborts the whole job.
 from __future__ import annotations
 
 import sys
-import time
 import traceback
 from typing import Callable
 
 from mpi4py import MPI
 
+from . import waiting
 from .errors import SparCommError
-
-# MPICH's launcher may act on an abort before it has forwarded the aborting
-# rank's last lines of stderr, and drop them: 7 of 30 jobs lost the traceback.
-# A pause between the flush and the abort lets the output leave first.
-OUTPUT_GRACE_S = 0.2
 
 
 def run_main(main: Callable[[], int | None], prog: str) -> None:
@@ -39,9 +34,6 @@ def run_main(main: Callable[[], int | None], prog: str) -> None:
 
 def abort_job(comm: MPI.Comm, where: str) -> None:
     """Print the exception being handled, each line prefixed with the rank, and
-    abort every rank of ``comm``: the others may be waiting in a collective."""
-    text = f"{where} failed:\n{traceback.format_exc()}"
-    sys.stderr.write("".join(f"[rank {comm.rank}] {line}\n" for line in text.splitlines()))
-    sys.stderr.flush()
-    time.sleep(OUTPUT_GRACE_S)
-    comm.Abort(1)
+    abort every rank of ``comm``: the others may be waiting in a collective
+    (``waiting.end_job``: the trace closed, no shared-memory file left)."""
+    waiting.end_job(f"{where} failed:\n{traceback.format_exc()}", 1, comm)

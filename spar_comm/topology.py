@@ -70,6 +70,12 @@ class Topology:
         comm = MPI.COMM_WORLD if comm is None else comm
         emulated, problem = _ranks_per_node(ranks_per_node)
         raise_if_any(comm, problem or waiting.read_environment())
+        # Patient: ranks arrive here after imports and data loading of their own.
+        with waiting.watched("making the topology", comm, patient=True):
+            self._split(comm, emulated, device)
+
+    def _split(self, comm: MPI.Comm, emulated: Optional[int], device: str) -> None:
+        """The communicators, named for the messages of a deadline (``waiting.describe``)."""
         require_same(comm, "topology", {"ranks_per_node": emulated, "device": device})
 
         self.world: MPI.Comm = comm.Dup()
@@ -117,6 +123,14 @@ class Topology:
                 rail_j = self.world.Split(color=color, key=self.node)
                 if rail_j != MPI.COMM_NULL:
                     self.rails[j] = rail_j
+        self.world.Set_name("the world")
+        self.local.Set_name("inside a node")
+        self.rail.Set_name("between nodes")
+        for j, rail_j in self.rails.items():
+            if rail_j is not self.rail:
+                rail_j.Set_name(f"between nodes (shard {j})")
+        if self.leader != MPI.COMM_NULL:
+            self.leader.Set_name("between nodes (their first ranks)")
 
     def _local_within(self, host: MPI.Comm) -> bool:
         """Whether every rank of my (emulated) node is on my ``host`` and can map my memory."""

@@ -1,42 +1,15 @@
-"""The shared-memory files that aborted jobs leave in /dev/shm (MPICH's and
-Open MPI's), and their removal. No MPI here: the launcher of the MPI suites imports this, and it must
-not initialise MPI itself."""
+"""spar_comm/segments.py, loaded by its path: the launcher of the MPI suites
+imports this, and must not initialise MPI (importing the spar_comm package does)."""
 from __future__ import annotations
 
-import os
+import importlib.util
+from pathlib import Path
 
+_spec = importlib.util.spec_from_file_location(
+    "spar_comm_segments", Path(__file__).resolve().parent.parent / "spar_comm" / "segments.py")
+_segments = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_segments)
 
-SHM = "/dev/shm"
-#: MPICH's files, and Open MPI's (its shared-memory transport and windows).
-PREFIXES = ("mpich_shm_", "sm_segment.")
-
-
-def mpi_segments() -> set:
-    """The names of MPI's shared-memory files now in /dev/shm."""
-    try:
-        return {name for name in os.listdir(SHM) if name.startswith(PREFIXES)}
-    except OSError:
-        return set()
-
-
-def remove_orphaned_segments(before: set) -> None:
-    """Remove MPI's shared-memory files that appeared since ``before`` and that
-    no live process maps or holds open: what a job ended by MPI_Abort or
-    SIGKILL leaves behind (MPI gets no chance to unlink them)."""
-    new = mpi_segments() - before
-    if not new:
-        return
-    in_use = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                in_use.update(name for name in new if name in maps.read())
-            in_use.update(name for fd in os.listdir(f"/proc/{pid}/fd")
-                          for name in new if name in os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            continue
-    for name in new - in_use:
-        try:
-            os.unlink(os.path.join(SHM, name))
-        except OSError:
-            pass
+mpi_segments = _segments.mpi_segments
+orphaned_segments = _segments.orphaned_segments
+remove_orphaned_segments = _segments.remove_orphaned_segments

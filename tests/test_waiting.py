@@ -1,6 +1,12 @@
 """Which form of a collective a rank calls: nonblocking up to the size limit,
-blocking past it, and the same on every rank whatever its own share."""
+blocking past it, and the same on every rank whatever its own share; and the
+deadline every wait has."""
 from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -94,6 +100,92 @@ def test_read_environment(monkeypatch):
     assert waiting.SLEEP is True  # unchanged by a bad value
 
 
+@pytest.mark.parametrize("text, seconds", [("", 600.0), (" 5 ", 5.0), ("0.5", 0.5), ("0", None)])
+def test_the_timeout_is_read_from_the_environment(monkeypatch, text, seconds):
+    monkeypatch.setattr(waiting, "TIMEOUT", 1.0)
+    monkeypatch.setenv(waiting.ENV_WAIT, "sleep")
+    monkeypatch.setenv(waiting.ENV_TIMEOUT, text)
+    assert waiting.read_environment() is None and waiting.TIMEOUT == seconds
+
+
+@pytest.mark.parametrize("text", ["ten", "-1", "nan", "inf", "1e999"])
+def test_a_bad_timeout_is_refused_naming_it(monkeypatch, text):
+    monkeypatch.setattr(waiting, "TIMEOUT", 1.0)
+    monkeypatch.setenv(waiting.ENV_WAIT, "sleep")
+    monkeypatch.setenv(waiting.ENV_TIMEOUT, text)
+    assert waiting.read_environment() == (f"SPAR_COMM_TIMEOUT={text!r}: expected seconds, a number > 0 "
+                                          "(0: no deadline)")
+    assert waiting.TIMEOUT == 1.0  # unchanged by a bad value
+
+
+class Named(Recorder):
+    """A communicator as ``Topology`` names them."""
+
+    def Get_name(self) -> str:
+        return "between nodes"
+
+
+class Endings(list):
+    """(message, status, when) of each ending, and ``done``, set at the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = threading.Event()
+
+
+@pytest.fixture
+def endings(monkeypatch):
+    """What the watchdog ends the job with, recorded instead."""
+    seen = Endings()
+
+    def end_job(message: str, status: int, comm=None) -> None:
+        seen.append((message, status, time.monotonic()))
+        seen.done.set()
+        threading.Event().wait(1)  # as the real one, it does not return at once
+
+    monkeypatch.setattr(waiting, "end_job", end_job)
+    monkeypatch.setattr(waiting, "TIMEOUT", 0.6)
+    return seen
+
+
+def test_a_wait_past_its_deadline_ends_the_job_naming_it(endings, capfd):
+    start = time.monotonic()
+    with waiting.watched("Allgather", Named(0, 2)):
+        assert endings.done.wait(5), "the deadline passed unnoticed"
+    message, status, when = endings[0]
+    assert status == waiting.EXIT_TIMEOUT
+    assert message.startswith("spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT=0.6): "
+                              "Allgather over between nodes (2 ranks), waiting 0.")
+    assert 0.6 <= when - start < 0.6 + 2 * waiting.TICK
+    assert "still waiting, half-way to the deadline: Allgather over between nodes (2 ranks)" in capfd.readouterr().err
+
+
+def test_nested_waits_keep_the_outer_deadline_and_patience_extends_it(endings):
+    with waiting.watched("saving a checkpoint", Named(0, 2), patient=True):
+        with waiting.watched("Barrier", Named(0, 2)):
+            time.sleep(0.6 + 3 * waiting.TICK)
+    assert endings == []
+    with waiting.watched("Barrier", Named(0, 2)):
+        pass
+    time.sleep(0.6 + 2 * waiting.TICK)  # nothing is waited for any more
+    assert endings == []
+
+
+def test_a_signal_ends_a_wait_that_goes_on_after_it(endings, monkeypatch):
+    monkeypatch.setattr(waiting, "TIMEOUT", 60.0)
+    monkeypatch.setattr(waiting, "SIGNAL_GRACE_S", 0.3)
+    held = signal.signal(signal.SIGUSR1, lambda *_: None)  # as train()'s clean stop: a Python handler
+    try:
+        with waiting.watched("Allreduce", Named(0, 2)):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert endings.done.wait(5), "the signal went unnoticed"
+    finally:
+        signal.signal(signal.SIGUSR1, held)
+    message, status, _ = endings[0]
+    assert status == 128 + signal.SIGUSR1
+    assert message.startswith("spar_comm: SIGUSR1 while stuck: Allreduce over between nodes (2 ranks)")
+
+
 class Pending:
     """A request that completes at its ``tests``-th test."""
 
@@ -113,6 +205,7 @@ def test_the_pauses_double_up_to_the_maximum_shared_by_the_rounds(monkeypatch, s
     assert waiting.longest_pause(size) == pytest.approx(longest)
     pauses = []
     monkeypatch.setattr(waiting, "time", type("Clock", (), {"sleep": staticmethod(pauses.append)}))
+    monkeypatch.setattr(waiting, "TIMEOUT", None)  # no watchdog: its clock is not this test's
     monkeypatch.setattr(waiting, "SLEEP", True)
     comm = Recorder(0, size)
     comm.Ibarrier = lambda: Pending(16)

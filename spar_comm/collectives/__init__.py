@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Type
 
+from .. import waiting
 from ..consensus import raise_if_any, require_same
 from ..topology import Topology
 from .adasum import AdasumAllreducer
@@ -77,8 +78,10 @@ def make_allreducer(
     if algorithm == AUTO:
         problem = ("algorithm='auto' is the cost model's choice, made above the allreducers: call "
                    "spar_comm.make_allreducer (spar_comm.costmodel.auto.make_allreducer)")
-    raise_if_any(topology.world, problem)
-    require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
-    cls = ALGORITHMS[algorithm]
-    return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options, shared_buffer,
-               values, indices, options)
+    # Patient: ranks may arrive from set-ups of their own (a rebuild in training is not: aids.ScheduledAllreduce).
+    with waiting.watched(f"making the {algorithm} allreducer", topology.world, patient=True):
+        raise_if_any(topology.world, problem)
+        require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
+        cls = ALGORITHMS[algorithm]
+        return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options,
+                   shared_buffer, values, indices, options)

@@ -46,6 +46,8 @@ from .topk import TopK, selection_size
 #: faster than indexing them (NumPy's fancy indexing costs about 20 passes' time
 #: per position).
 WHOLE_PASS_BEYOND = 1 / 32
+#: The settings whose kernels this process has compiled (``Allreducer._kernels``).
+_COMPILED: set = set()
 
 
 def sum_dtype(dtype: Any) -> np.dtype:
@@ -136,6 +138,8 @@ class Allreducer:
         self._codes = np.zeros(world.size, dtype=np.int32)
         self.last: Dict[str, float] = self._fresh_ledger()
         self.world = self.channel(world, spans_nodes=True)
+        # What the first call compiles: its waits are patient, once per process.
+        self._kernels = (self.name, selector, self.dtype.str, self.grad_dtype.str, values, indices, self.memory.kind)
 
     # -- construction helpers for subclasses -------------------------------------------
     def channel(self, comm: MPI.Comm, spans_nodes: bool) -> Channel:
@@ -239,6 +243,17 @@ class Allreducer:
         at the end. That rounding is not fed back into the residual:
         conservation holds for the float32 result.
         """
+        if self._kernels in _COMPILED:
+            return self._allreduce(grad, out, state)
+        # Each rank compiles the kernels on its own clock: the others' waits are long for a reason.
+        with waiting.watched(f"the first {self.name} allreduce, which compiles its kernels", self.topology.world,
+                             patient=True):
+            result = self._allreduce(grad, out, state)
+        _COMPILED.add(self._kernels)
+        return result
+
+    def _allreduce(self, grad: Any, out: Any, state: Optional[Residual]) -> Any:
+        """``allreduce`` itself."""
         self.last = self._fresh_ledger()
         start = self.memory.now()
         given_grad, given_out = grad, out
@@ -351,6 +366,9 @@ class Allreducer:
             self._code[0] |= BAD_OUT
         if state is not None and not self.feedback.fits(state, self.memory):
             self._code[0] |= BAD_STATE
-        waiting.collective(self.topology.world, "Allgather", self._code, self._codes)  # where ranks meet: sleep
+        try:
+            waiting.collective(self.topology.world, "Allgather", self._code, self._codes)  # where ranks meet: sleep
+        except BaseException:  # an interrupt (Ctrl-C) of this rank alone, the others in the collective
+            abort_job(self.topology.world, f"{self.name} allreduce")
         if self._codes.any():
             raise refusal(self.name, self._codes, self.memory.kind, self.grad_dtype, self.size)

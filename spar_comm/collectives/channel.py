@@ -144,12 +144,20 @@ class Channel:
                    send.nbytes if self.rank != root else 0)
 
     def send(self, buf: Any, dest: int, tag: int) -> None:
-        self._call(lambda s, _: self.comm.Send(s, dest=dest, tag=tag), buf, None, buf.nbytes)
+        def mpi(s: Any, _: Any) -> None:
+            with waiting.watched(f"Send to rank {dest}", self.comm):
+                self.comm.Send(s, dest=dest, tag=tag)
+        self._call(mpi, buf, None, buf.nbytes)
 
     def recv(self, buf: Any, source: int, tag: int) -> None:
-        self._call(lambda _, r: self.comm.Recv(r, source=source, tag=tag), None, buf, 0)
+        def mpi(_: Any, r: Any) -> None:
+            with waiting.watched(f"Recv from rank {source}", self.comm):
+                self.comm.Recv(r, source=source, tag=tag)
+        self._call(mpi, None, buf, 0)
 
     def sendrecv(self, send: Any, recv: Any, partner: int, tag: int) -> None:
         """Swap equal-sized buffers with ``partner`` (both send at once)."""
-        self._call(lambda s, r: self.comm.Sendrecv(s, dest=partner, sendtag=tag, recvbuf=r, source=partner,
-                                                   recvtag=tag), send, recv, send.nbytes)
+        def mpi(s: Any, r: Any) -> None:
+            with waiting.watched(f"Sendrecv with rank {partner}", self.comm):
+                self.comm.Sendrecv(s, dest=partner, sendtag=tag, recvbuf=r, source=partner, recvtag=tag)
+        self._call(mpi, send, recv, send.nbytes)

@@ -152,7 +152,8 @@ class NodeWindow:
     def free(self) -> None:
         if _OPEN.pop(id(self), None) is not None:
             self.win.Unlock_all()
-            self.win.Free()
+            with waiting.watched("freeing a shared-memory window", self.comm):  # collective
+                self.win.Free()
 
 
 class SharedReduceScatter:

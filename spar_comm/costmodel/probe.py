@@ -96,14 +96,15 @@ def link(topology: Topology) -> Optional[Tuple[float, float]]:
     if topology.num_nodes < 2 or topology.transport != "mpi":
         return None
     figures, problem = None, None
-    if topology.leader != MPI.COMM_NULL:
-        leaders = topology.leader.Dup()  # no message of the probe can match another's
-        figures, problem = _pingpong(leaders)
-        leaders.Free()
-    waiting.collective(topology.world, "Barrier")  # the others sleep, leaving the cores to the two timing
-    raise_if_any(topology.world, problem and f"timing the link between nodes for algorithm='auto': {problem}",
-                 SparCommError)
-    return topology.world.bcast(figures, root=0)
+    with waiting.watched("timing the link between nodes for algorithm='auto'", topology.world, patient=True):
+        if topology.leader != MPI.COMM_NULL:
+            leaders = topology.leader.Dup()  # no message of the probe can match another's
+            figures, problem = _pingpong(leaders)
+            leaders.Free()
+        waiting.collective(topology.world, "Barrier")  # the others sleep, leaving the cores to the two timing
+        raise_if_any(topology.world, problem and f"timing the link between nodes for algorithm='auto': {problem}",
+                     SparCommError)
+        return topology.world.bcast(figures, root=0)
 
 
 def _machine_id() -> str:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import waiting
 from ..collectives import AUTO
 from ..costmodel import auto
 from ..consensus import raise_if_any, require_same
@@ -322,7 +323,8 @@ class HookState:
         """Every rank's residuals by parameter coordinate, so any rank's copy can
         resume the job. Collective: every rank calls it, after backward."""
         self._wait_idle()
-        everyone = self._comm.allgather(self.residuals())  # pickled: once per checkpoint
+        with waiting.watched("Allgather of the residuals for state_dict()", self._comm, patient=True):
+            everyone = self._comm.allgather(self.residuals())  # pickled: once per checkpoint
         return {
             "format": HOOK_STATE_FORMAT,
             "world_size": self._comm.size,

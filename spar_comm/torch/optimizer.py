@@ -400,7 +400,8 @@ class _DistributedOptimizer:
         self._refuse_in_flight("state_dict()")
         state = super().state_dict()
         mine = [(span, values / self._scale) for span, values in (b.reducer.residual_state() for b in self.buckets)]
-        everyone = self._comm.allgather(mine)  # pickled: once per checkpoint, never on the hot path
+        with waiting.watched("Allgather of the residuals for state_dict()", self._comm, patient=True):
+            everyone = self._comm.allgather(mine)  # pickled: once per checkpoint, never on the hot path
         state["spar_comm"] = {
             "format": STATE_FORMAT,
             "world_size": self._comm.size,
@@ -541,12 +542,13 @@ def broadcast_parameters(module: Any, root: int = 0, comm: Optional[MPI.Comm] = 
     require_job_world(comm, "spar_comm.torch.broadcast_parameters")
     named = list(module.state_dict().items()) if isinstance(module, torch.nn.Module) else list(module)
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
-    reference = comm.bcast(layout, root=root)
-    problem = None
-    if layout != reference:
-        problem = f"its tensors differ from rank {root}'s: {_first_difference(layout, reference)}"
-    raise_if_any(comm, problem)
-    with torch.no_grad():
+    # Patient: at start-up, where ranks arrive after set-ups of their own.
+    with waiting.watched("broadcast_parameters", comm, patient=True), torch.no_grad():
+        reference = comm.bcast(layout, root=root)
+        problem = None
+        if layout != reference:
+            problem = f"its tensors differ from rank {root}'s: {_first_difference(layout, reference)}"
+        raise_if_any(comm, problem)
         for _, tensor in named:
             host = tensor.detach().to("cpu").contiguous()  # a GPU tensor goes through the host: once, at start-up
             comm.Bcast(host.numpy(), root=root)
@@ -561,7 +563,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
     comm = comm or job_comm()
     require_job_world(comm, "spar_comm.torch.broadcast_optimizer_state")
     own = torch.optim.Optimizer.state_dict(optimizer) if comm.rank == root else None
-    state = comm.bcast(own, root=root)  # pickled: once, at start-up
+    with waiting.watched("broadcast_optimizer_state", comm, patient=True):
+        state = comm.bcast(own, root=root)  # pickled: once, at start-up
     problem = None
     if comm.rank != root:
         try:

@@ -49,6 +49,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .. import waiting
 from ..collectives import ALGORITHMS, AUTO
 from ..costmodel import auto
 from .config import TrainConfig
@@ -149,10 +150,12 @@ class ScheduledAllreduce:
     def at(self, step: int) -> FusedAllreduce:
         density = self.schedule(step) if self.current.sparse else self.density
         if density != self.density:
-            span, values = self.current.residual()
-            fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector, self.options)
-            fresh.load_residual(span, values)
-            self.current.reducer.free()
+            with waiting.watched(f"rebuilding the allreducer at density {density:g}", self.group.comm):
+                span, values = self.current.residual()
+                fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector,
+                                              self.options)
+                fresh.load_residual(span, values)
+                self.current.reducer.free()
             self.current, self.density = fresh, density
         return self.current
 

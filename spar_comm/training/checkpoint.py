@@ -6,7 +6,8 @@ the figures it priced (so that a resumed run chooses the same allreducers
 however the link times then).
 
 Rank 0 writes a temporary file and renames it over the old one, so a crash
-while saving never loses the previous checkpoint.
+while saving never loses the previous checkpoint; a write that fails (a full
+disk) removes the temporary file and raises WriteError on every rank.
 
 Checksums (format 2): the header before the HDF5 data holds a SHA-256 of the
 whole file (``files.stamp``), checked before HDF5 parses any of it, since
@@ -20,6 +21,7 @@ reads its own residual back.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -30,10 +32,12 @@ from typing import Any, Optional, Tuple
 import array_api_compat
 import numpy as np
 
-from .. import __version__
+from .. import __version__, waiting
+from ..consensus import raise_if_any
 from ..costmodel import auto
-from ..errors import ConfigError
-from ..files import BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify
+from ..errors import ConfigError, WriteError
+from ..files import (BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify,
+                     write_image)
 from .config import TrainConfig
 from .data import Shards
 from .distributed import FusedAllreduce, Group, to_host
@@ -57,47 +61,65 @@ def save_checkpoint(
     ``state_dict`` (density.py's Accordion) is saved from rank 0: its state
     is the same on every rank; so is ``priced`` (``Pricing.to_state``)."""
     span, residual = reducer.residual()
-    shared = reducer.shared_state()  # the same on every rank: rank 0's is saved
-    # Pickled gather: once per checkpoint, never on the hot path.
-    residuals = group.comm.gather((span, residual), root=0)
-    local = group.comm.gather(None if local_velocity is None else to_host(local_velocity), root=0)
+    with waiting.watched("Gather of the state to checkpoint", group.comm):
+        # Pickled gather: once per checkpoint, never on the hot path.
+        residuals = group.comm.gather((span, residual), root=0)
+        local = group.comm.gather(None if local_velocity is None else to_host(local_velocity), root=0)
+    problem = None
     if group.rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = path + ".tmp"
-        with create_hdf5(tmp) as f:
-            f.attrs.update(
-                format=FORMAT, version=__version__, step=step, world_size=group.size, config=config.to_json(),
-                created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            )
-            if priced is not None:
-                f.attrs["auto_priced"] = json.dumps(priced)
-            for group_name, flat in (("params", params), ("optimizer/velocity", velocity)):
-                host = to_host(flat)
-                for name, (lo, hi) in layout.offsets.items():
-                    f.create_dataset(f"{group_name}/{name}", data=host[lo:hi].reshape(layout.shapes[name]))
-            f["optimizer"].attrs.update(kind="sgd", momentum=config.momentum, weight_decay=config.weight_decay)
-            for rank, ((lo, hi), values) in enumerate(residuals):
-                f.create_dataset(f"residuals/rank{rank}", data=values).attrs.update(lo=lo, hi=hi)
-            for rank, values in enumerate(local):
-                if values is not None:
-                    f.create_dataset(f"aids/velocity/rank{rank}", data=values)
-            if shared is not None:
-                f.create_dataset("allreducer/shared", data=shared)
-            state = schedule.state_dict() if hasattr(schedule, "state_dict") else None
-            if state is not None:
-                kept = f.create_group("schedule")
-                kept.attrs.update(previous_norm=state["previous_norm"], density=state["density"])
-                if state["accumulated"] is not None:
-                    kept.create_dataset("accumulated", data=to_host(state["accumulated"]))
-            epoch, batch = shards.position(step)
-            f.create_group("data").attrs.update(
-                seed=shards.seed, epoch=epoch, batch=batch, steps_per_epoch=shards.steps_per_epoch,
-                batch_size=shards.batch_size, world_size=shards.world,
-            )
-            seal(f)
-        stamp(tmp)
-        os.replace(tmp, path)
-    group.comm.Barrier()  # nobody leaves before the checkpoint is complete
+        try:
+            _write(tmp, group, config, step, layout, params, velocity, reducer, shards, residuals, local, schedule,
+                   priced)
+            os.replace(tmp, path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            problem = f"cannot write the checkpoint {path}: {error}; the previous one, if any, is intact"
+    # Patient: the others wait here while rank 0 writes (and nobody leaves before the checkpoint is complete).
+    with waiting.watched(f"rank 0 saving the checkpoint {path}", group.comm, patient=group.rank != 0):
+        raise_if_any(group.comm, problem, WriteError)
+
+
+def _write(tmp: str, group: Group, config: TrainConfig, step: int, layout: ParamLayout, params: Any, velocity: Any,
+           reducer: FusedAllreduce, shards: Shards, residuals: list, local: list, schedule: Any,
+           priced: Optional[dict]) -> None:
+    """Rank 0's part of ``save_checkpoint``: the whole file at ``tmp``, stamped."""
+    shared = reducer.shared_state()  # the same on every rank: rank 0's is saved
+    os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+    with create_hdf5(tmp, in_memory=True) as f:
+        f.attrs.update(
+            format=FORMAT, version=__version__, step=step, world_size=group.size, config=config.to_json(),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        )
+        if priced is not None:
+            f.attrs["auto_priced"] = json.dumps(priced)
+        for group_name, flat in (("params", params), ("optimizer/velocity", velocity)):
+            host = to_host(flat)
+            for name, (lo, hi) in layout.offsets.items():
+                f.create_dataset(f"{group_name}/{name}", data=host[lo:hi].reshape(layout.shapes[name]))
+        f["optimizer"].attrs.update(kind="sgd", momentum=config.momentum, weight_decay=config.weight_decay)
+        for rank, ((lo, hi), values) in enumerate(residuals):
+            f.create_dataset(f"residuals/rank{rank}", data=values).attrs.update(lo=lo, hi=hi)
+        for rank, values in enumerate(local):
+            if values is not None:
+                f.create_dataset(f"aids/velocity/rank{rank}", data=values)
+        if shared is not None:
+            f.create_dataset("allreducer/shared", data=shared)
+        state = schedule.state_dict() if hasattr(schedule, "state_dict") else None
+        if state is not None:
+            kept = f.create_group("schedule")
+            kept.attrs.update(previous_norm=state["previous_norm"], density=state["density"])
+            if state["accumulated"] is not None:
+                kept.create_dataset("accumulated", data=to_host(state["accumulated"]))
+        epoch, batch = shards.position(step)
+        f.create_group("data").attrs.update(
+            seed=shards.seed, epoch=epoch, batch=batch, steps_per_epoch=shards.steps_per_epoch,
+            batch_size=shards.batch_size, world_size=shards.world,
+        )
+        seal(f)
+        write_image(f, tmp)
+    stamp(tmp)
 
 
 #: The groups of per-parameter datasets, in the order Saved holds them.
@@ -190,8 +212,9 @@ def read_saved(path: str, group: Group, layout: ParamLayout) -> Saved:
     """``read_checkpoint`` on every rank, with rank 0's ``priced`` on every
     rank (so that all choose alike). Collective; a bad file is refused on
     every rank alike."""
-    saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
-    return dataclasses.replace(saved, priced=group.comm.bcast(saved.priced, root=0))
+    with waiting.watched(f"reading the checkpoint {path}", group.comm, patient=True):  # each rank reads it all
+        saved = agree(group.comm, lambda: read_checkpoint(path, group.rank, layout))
+        return dataclasses.replace(saved, priced=group.comm.bcast(saved.priced, root=0))
 
 
 def load_checkpoint(

@@ -20,7 +20,8 @@ SCHEDULES = ("cosine", "step")
 #: Settings that may change when a run is resumed: they stop, trace or place
 #: the run but do not change its bits.
 RESUMABLE_CHANGES = frozenset(
-    {"stop_after", "time_limit", "trace", "trace_every", "checkpoint", "checkpoint_every", "resume", "progress"}
+    {"stop_after", "time_limit", "trace", "trace_every", "checkpoint", "checkpoint_every", "checkpoint_period",
+     "resume", "progress"}
 )
 
 
@@ -65,6 +66,7 @@ class TrainConfig:
     trace_every: int = 10
     checkpoint: Optional[str] = None
     checkpoint_every: int = 0
+    checkpoint_period: float = 600.0  # seconds of training between checkpoints, where checkpoint_every is 0
     resume: bool = False
     stop_after: Optional[int] = None
     time_limit: Optional[float] = None
@@ -116,7 +118,8 @@ class TrainConfig:
                 found.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         non_negative = dict(
             lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, warmup=self.warmup,
-            checkpoint_every=self.checkpoint_every, density_warmup=self.density_warmup, clip_norm=self.clip_norm,
+            checkpoint_every=self.checkpoint_every, checkpoint_period=self.checkpoint_period,
+            density_warmup=self.density_warmup, clip_norm=self.clip_norm,
         )
         for name, value in non_negative.items():
             if value < 0:

@@ -49,7 +49,7 @@ class Group:
     def broadcast(self, x: Any, xp: Any) -> None:
         """Overwrite ``x`` in place with rank 0's bits."""
         host = np.ascontiguousarray(to_host(x))
-        self.comm.Bcast(host, root=0)
+        waiting.collective(self.comm, "Bcast", host, root=0, nbytes=host.nbytes)
         x[...] = xp.asarray(host, device=array_api_compat.device(x))
 
     def sum(self, values: Sequence[float]) -> np.ndarray:

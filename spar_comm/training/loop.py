@@ -16,18 +16,18 @@ import array_api_compat
 from mpi4py import MPI
 from tqdm import tqdm
 
-from .. import __version__
+from .. import __version__, waiting
 from ..collectives import AUTO
 from ..consensus import raise_if_any
 from ..costmodel import auto
-from ..errors import ConfigError
+from ..errors import ConfigError, WriteError
 from ..files import BadFileError
 from ..topology import Topology
 from .aids import LocalAids, ScheduledAllreduce
 from .density import make_schedule
 from .checkpoint import load_checkpoint, read_saved, save_checkpoint
 from .config import TrainConfig
-from .control import StopControl
+from .control import SAVE, STOPS, WRITE_FAILED, StopControl
 from .data import Dataset, Shards, dataset_problem, load_dataset
 from .distributed import Group, array_backend
 from .models import MLP
@@ -171,8 +171,10 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         except OSError as exc:
             problem = f"cannot write the trace {config.trace}: {exc}"
     raise_if_any(topology.world, problem)
+    forget_trace = waiting.at_end(writer.close) if writer else None  # a fault or a signal ends the job with it closed
     recorder = StepRecorder(group.comm, config.trace_every, writer)
-    stop = StopControl(group, config.stop_after, config.time_limit)
+    by_clock = config.checkpoint and not config.checkpoint_every and config.checkpoint_period
+    stop = StopControl(group, config.stop_after, config.time_limit, config.checkpoint_period if by_clock else None)
     bar = tqdm(total=total, initial=start, disable=not (rank0 and config.progress), unit="step", dynamic_ncols=True)
 
     # -- the loop ------------------------------------------------------------------------
@@ -195,7 +197,10 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         optimizer.step(params, grad, lr)
         t4 = time.perf_counter()
         step += 1
-        reason = stop.check(step)
+        flags = stop.check(step, writer is not None and writer.failure is not None)
+        if flags & WRITE_FAILED:
+            raise_if_any(group.comm, writer and writer.failure, WriteError)
+        reason = flags & STOPS
         last = allreduce.last
         recorder.record(step - 1, dict(
             data=t1 - t0, compute=t2 - t1, select=last["t_select"], comm_intra=last["t_intra"],
@@ -214,10 +219,12 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
                 writer.add_eval(step=step, epoch=step / shards.steps_per_epoch, train_loss=train_loss,
                                 test_metric=accuracy, wall=time.perf_counter() - began)
             bar.set_postfix(loss=f"{train_loss:.4f}", acc=f"{accuracy:.4f}")
-        if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total and not reason:
+        due = flags & SAVE or (config.checkpoint_every and step % config.checkpoint_every == 0)
+        if due and step < total and not reason:
             recorder.flush()  # the trace then holds every step the checkpoint covers
             save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
                                 local_velocity=aids.velocity, schedule=density, priced=priced)
+            stop.saved()
     wall = time.perf_counter() - began
     recorder.flush()
     bar.close()
@@ -230,7 +237,9 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
                             local_velocity=aids.velocity, schedule=density, priced=priced)
     if writer:
+        forget_trace()
         writer.close()
+    raise_if_any(group.comm, writer and writer.failure, WriteError)
     summary = None
     if rank0:
         per_step = recorder.totals.mean(axis=0) / max(recorder.steps_gathered, 1)
@@ -241,7 +250,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
             select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
             density=per_step[COLUMN["density"]], bytes_inter=per_step[COLUMN["bytes_inter"]],
         )
-    return group.comm.bcast(summary, root=0)
+    with waiting.watched("Bcast of the summary", group.comm):
+        return group.comm.bcast(summary, root=0)
 
 
 def default_epochs(dataset: str) -> int:

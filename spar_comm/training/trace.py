@@ -17,19 +17,23 @@ these) are still read, unchecked.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import h5py
 import numpy as np
 from mpi4py import MPI
 
+from .. import waiting
 from ..files import (DIGEST, BadFileError, attribute, create_hdf5, dataset, finite, fixed_length_text, open_hdf5, seal,
-                     stamp, text_attributes, unstamp, verify)
+                     stamp, system_error, text_attributes, unstamp, verify)
 from ..mpi_strings import library_version
 
 PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "step")
@@ -84,7 +88,7 @@ class StepRecorder:
         if n == 0:
             return
         recv = None if self.recv is None else self.recv[: self.comm.size * n * len(FIELDS)].reshape(self.comm.size, n, -1)
-        self.comm.Gather(self.rows[:n], recv, root=0)
+        waiting.collective(self.comm, "Gather", self.rows[:n], recv, root=0, nbytes=self.rows[:n].nbytes)
         self.count = 0
         if recv is None:
             return
@@ -97,10 +101,21 @@ class StepRecorder:
 
 class TraceWriter:
     """Rank 0's trace file. A resumed run appends to the trace of the run it
-    continues, dropping rows past the checkpoint's step."""
+    continues, dropping rows past the checkpoint's step.
+
+    A write that fails (a full disk) is not raised here, on rank 0 alone,
+    where the others would wait for it in a collective: it is kept in
+    ``failure``, nothing more is written, and the loop raises it on every rank.
+    A disk with less than ``SPARE_BYTES`` free counts as full before HDF5
+    tries: HDF5 reports a failed write late and noisily, and may leave the
+    process to crash at exit."""
+
+    failure: Optional[str] = None
+    SPARE_BYTES = 1 << 20
 
     def __init__(self, path: str, attrs: Dict[str, Any], hosts: list, resume_step: Optional[int] = None):
         world = len(hosts)
+        self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if resume_step is not None and os.path.exists(path):
             with open_hdf5(path, live=True) as existing:  # refuse a bad trace before touching it
@@ -184,6 +199,25 @@ class TraceWriter:
     def _extend(self, columns: Dict[str, np.ndarray]) -> None:
         """Append rows (of every step column, or every eval column, or both)
         and their checksums, computed here from the values as stored."""
+        if self.failure is None:
+            with self._kept_failure():
+                self._append(columns)
+
+    @contextlib.contextmanager
+    def _kept_failure(self) -> Iterator[None]:
+        """A failed write kept in ``failure`` (h5py raises some as RuntimeError)."""
+        try:
+            yield
+        except (OSError, RuntimeError) as error:
+            self.failure = f"cannot write the trace {self.path}: {system_error(error)}"
+            with contextlib.suppress(OSError, RuntimeError):  # HDF5 writes no more to it
+                self.file.close()
+
+    def _append(self, columns: Dict[str, np.ndarray]) -> None:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.path))).free
+        if free < self.SPARE_BYTES:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free, "
+                                        f"{self.SPARE_BYTES} kept spare)")
         stored = {name: np.asarray(values).astype(self.file[name].dtype)
                   for name, values in columns.items() if name not in CHECKSUMS}
         for name, names in CHECKSUMS.items():  # last: a live reader takes no row before its checksum
@@ -197,9 +231,11 @@ class TraceWriter:
         self.file.flush()
 
     def close(self) -> None:
-        path = self.file.filename
-        self.file.close()
-        stamp(path)
+        """Close and stamp the file; a failure is kept in ``failure``."""
+        with self._kept_failure():
+            self.file.close()
+            if self.failure is None:
+                stamp(self.path)
 
 
 def row_checksums(columns: Dict[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
