@@ -11,16 +11,18 @@ sys.path.insert(0, os.path.dirname(__file__))  # for `import reference`
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
+import contextlib
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from mpi4py import MPI
 
 from mpi_helpers import layouts
 from shm_cleanup import mpi_segments, remove_orphaned_segments
-from spar_comm import Topology
+from spar_comm import Topology, emucluster
 
 ROOT = Path(__file__).resolve().parent.parent
 #: MPI's shared-memory files in /dev/shm when the run started.
@@ -37,6 +39,18 @@ def pytest_sessionfinish(session, exitstatus):
     processes released only after their test had ended."""
     if MPI.COMM_WORLD.size == 1:
         remove_orphaned_segments(session.config.stash[SEGMENTS_AT_START])
+
+
+@contextlib.contextmanager
+def emulated_cluster(hosts: int, ranks_per_host: int, prefix: str) -> Iterator[emucluster.ClusterSpec]:
+    """An emulated cluster of 1 Gbit/s links for the block, torn down after it
+    (and before, should an earlier run have left one). ``prefix``: the test's
+    own, so that a user's cluster is never touched."""
+    emucluster.down(prefix)
+    try:
+        yield emucluster.up(emucluster.ClusterSpec(hosts, ranks_per_host, "1gbit", "0us", prefix))
+    finally:
+        emucluster.down(prefix)
 
 
 def find_mpiexec() -> str:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from conftest import ROOT
+from conftest import ROOT, emulated_cluster
 from spar_comm import emucluster
 
 
@@ -30,12 +30,8 @@ PREFIX = "spt"  # not the default, so a user's own cluster is never touched
 
 @pytest.fixture
 def cluster():
-    emucluster.down(PREFIX)
-    spec = emucluster.up(emucluster.ClusterSpec(2, 2, "1gbit", "0us", PREFIX))
-    try:
+    with emulated_cluster(2, 2, PREFIX) as spec:
         yield spec
-    finally:
-        emucluster.down(PREFIX)
     assert not emucluster.existing(PREFIX)
 
 

@@ -83,6 +83,14 @@ class TorchComm:
         self.group, self.ranks = group, list(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
+        self.name = ""
+
+    def Set_name(self, name: str) -> None:  # noqa: N802
+        """What the deadlines' messages call this comm ("inside a node", ...)."""
+        self.name = name
+
+    def Get_name(self) -> str:  # noqa: N802
+        return self.name
 
     @classmethod
     def world(cls, group: Any = None) -> "TorchComm":
