@@ -53,3 +53,9 @@ def test_the_gpu_only_options_are_refused_elsewhere(run_driver, tmp_path):
     library = tmp_path / "libcub_topk.so"
     result = run_driver("bench_topk.py", "--device", "gpu", "--sizes", "1000", "--cub-topk", library)
     assert result.returncode == 2 and f"--cub-topk: no such file '{library}'" in result.stderr, result.stderr
+
+
+def test_bench_select_steps_without_a_gpu_exits_2_naming_what_is_missing(run_driver):
+    result = run_driver("bench_select_steps.py", "--sizes", "1000")
+    assert result.returncode == 2
+    assert "bench_select_steps.py: needs CuPy and a GPU" in result.stderr, result.stderr
