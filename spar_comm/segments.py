@@ -35,7 +35,8 @@ def orphaned_segments(before: set) -> set:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/maps") as maps:
-                in_use.update(name for name in new if name in maps.read())
+                mapped = maps.read()
+            in_use.update(name for name in new if name in mapped)
             in_use.update(name for fd in os.listdir(f"/proc/{pid}/fd")
                           for name in new if name in os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
