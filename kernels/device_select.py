@@ -62,17 +62,6 @@ def all_positions(x: Any) -> Any:
     return namespace(x).arange(x.size, dtype=np.int64)
 
 
-def value_key(value: float, dtype: np.dtype) -> int:
-    """The key of the non-negative magnitude ``value`` in ``dtype``, rounded up
-    so that ``key >= value_key(t)`` means ``|x| >= t`` (select.cu's
-    ``key_at_least`` on the device)."""
-    layout = float_layout(dtype)
-    cast = np.array(value, dtype=dtype)
-    if float(cast) < value:
-        cast = np.nextafter(cast, np.array(np.inf, dtype=dtype))
-    return int(cast.view(layout.bits))
-
-
 class DeviceSelector:
     """A selection method that keeps its workspace on the device between calls
     (so it allocates once, and a CUDA graph of a call stays valid). Its

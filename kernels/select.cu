@@ -57,9 +57,9 @@ __device__ __forceinline__ double magnitude_of(unsigned long long b) {
     return __longlong_as_double(static_cast<long long>(b & 0x7fffffffffffffffULL));
 }
 
-// The least key whose magnitude is at least v >= 0 (inf_key when none is):
-// value_key of device_select.py, by bisection over the keys, which are
-// monotone in the magnitude.
+// The least key whose magnitude is at least v >= 0 (inf_key when none is),
+// so that key >= key_at_least(t) means |x| >= t: by bisection over the keys,
+// which are monotone in the magnitude.
 template <typename Bits, typename Key>
 __device__ Key key_at_least(double v, Key inf_key) {
     Key lo = 0, hi = inf_key;
@@ -217,6 +217,7 @@ __global__ void histogram(const Bits* __restrict__ bits, long long n, Key mask, 
 // extend the prefix by it, keep how many are still wanted, and clear the
 // histogram for the next pass.
 __global__ void choose_byte(unsigned long long* hist, unsigned long long* state, int shift) {
+    static_assert(COMPACT_THREADS == 256, "choose_byte's block has a thread for each of the 256 bytes");
     __shared__ unsigned long long buf[COMPACT_THREADS];
     const unsigned b = 255u - threadIdx.x;  // thread 0 holds the top byte: the scan sums from the top
     const unsigned long long wanted = state[WANTED], here = hist[b];
