@@ -17,7 +17,7 @@ import argparse
 import statistics
 import sys
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -42,6 +42,19 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--repeat", type=positive_int, default=10, help="timed calls (default: 10)")
     parser.add_argument("--out", metavar="FILE.json", help="write the figures here")
     return parser.parse_args(argv)
+
+
+def event_times(cupy: Any, run: Callable[[], object], repeat: int) -> List[float]:
+    """Milliseconds between CUDA events around each of ``repeat`` runs."""
+    times = []
+    for _ in range(repeat):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return times
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -71,28 +84,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     for dtype in args.dtype:
         for n in args.sizes:
             x = cupy.asarray(rng.standard_normal(n, dtype=np.float32).astype(dtype))
-            read = []
-            for _ in range(args.repeat):
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record()
-                x.max()
-                end.record()
-                end.synchronize()
-                read.append(cupy.cuda.get_elapsed_time(start, end))
+            read = event_times(cupy, x.max, args.repeat)
             for density in args.densities:
                 k = max(1, round(density * n))
                 for method in args.methods:
                     selector = device_select.METHODS[method]()
                     for _ in range(args.warmup):
                         selector(x, k)
-                    whole = []
-                    for _ in range(args.repeat):
-                        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                        start.record()
-                        selector(x, k)
-                        end.record()
-                        end.synchronize()
-                        whole.append(cupy.cuda.get_elapsed_time(start, end))
+                    whole = event_times(cupy, lambda: selector(x, k), args.repeat)
                     per_kernel: Dict[str, List[float]] = defaultdict(list)
                     kernels.launch = timed_launch
                     try:
