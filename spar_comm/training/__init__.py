@@ -4,7 +4,9 @@
     summary = train(TrainConfig(algorithm="hitopk", density=0.01, ranks_per_node=2))
 """
 from .config import TrainConfig
+from .checkpoint import save_checkpoint
 from .loop import Summary, build_model, train
+from .state import TrainState
 from .trace import Trace, read_trace
 
-__all__ = ["Summary", "Trace", "TrainConfig", "build_model", "read_trace", "train"]
+__all__ = ["Summary", "Trace", "TrainConfig", "TrainState", "build_model", "read_trace", "save_checkpoint", "train"]

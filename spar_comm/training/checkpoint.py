@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -40,8 +41,9 @@ from ..files import (BadFileError, agree, attribute, create_hdf5, dataset, finit
                      write_image)
 from .config import TrainConfig
 from .data import Shards
-from .distributed import FusedAllreduce, Group, to_host
+from .distributed import Group, to_host
 from .layout import ParamLayout
+from .state import TrainState
 
 #: Format 2 added the checksums; format 1 files are refused, saying so.
 FORMAT = 2
@@ -49,28 +51,34 @@ OLDER = (f"no checksum: a checkpoint of format 1 (or another program's HDF5 file
          f"reads format {FORMAT} only, so resume it with the version that wrote it, or start afresh")
 
 
-def save_checkpoint(
-    path: str, group: Group, config: TrainConfig, step: int, layout: ParamLayout,
-    params: Any, velocity: Any, reducer: FusedAllreduce, shards: Shards, local_velocity: Any = None,
-    schedule: Any = None, priced: Optional[dict] = None,
-) -> None:
-    """Write the state after ``step`` steps. Collective over the group.
+def save_checkpoint(path: str, state: TrainState, *legacy: Any, **legacy_keywords: Any) -> None:
+    """Write ``state`` (after ``state.step`` steps) to ``path``. Collective over
+    ``state.group``.
 
-    ``local_velocity`` is the convergence aids' per-rank velocity (aids.py),
-    saved for every rank like the residuals. A ``schedule`` with a
-    ``state_dict`` (density.py's Accordion) is saved from rank 0: its state
-    is the same on every rank; so is ``priced`` (``Pricing.to_state``)."""
-    span, residual = reducer.residual()
+    Every rank's residual and convergence-aids velocity are saved; the parts
+    that are the same on every rank (parameters, optimizer, a stateful
+    density schedule, the allreducer's shared state, ``auto``'s pricing) are
+    saved from rank 0.
+
+    The older form ``save_checkpoint(path, group, config, step, layout, params,
+    velocity, reducer, shards, local_velocity=None, schedule=None,
+    priced=None)`` still works, with a DeprecationWarning.
+    """
+    if not isinstance(state, TrainState):
+        state = _legacy_state(state, *legacy, **legacy_keywords)
+    elif legacy or legacy_keywords:
+        raise TypeError("save_checkpoint(path, state) takes nothing more")
+    group = state.group
+    span, residual = state.allreduce.residual()
     with waiting.watched("Gather of the state to checkpoint", group.comm):
         # Pickled gather: once per checkpoint, never on the hot path.
         residuals = group.comm.gather((span, residual), root=0)
-        local = group.comm.gather(None if local_velocity is None else to_host(local_velocity), root=0)
+        local = group.comm.gather(None if state.local_velocity is None else to_host(state.local_velocity), root=0)
     problem = None
     if group.rank == 0:
         tmp = path + ".tmp"
         try:
-            _write(tmp, group, config, step, layout, params, velocity, reducer, shards, residuals, local, schedule,
-                   priced)
+            _write(tmp, state, residuals, local)
             os.replace(tmp, path)
         except OSError as error:
             with contextlib.suppress(OSError):
@@ -81,20 +89,31 @@ def save_checkpoint(
         raise_if_any(group.comm, problem, WriteError)
 
 
-def _write(tmp: str, group: Group, config: TrainConfig, step: int, layout: ParamLayout, params: Any, velocity: Any,
-           reducer: FusedAllreduce, shards: Shards, residuals: list, local: list, schedule: Any,
-           priced: Optional[dict]) -> None:
+def _legacy_state(group: Group, config: TrainConfig, step: int, layout: ParamLayout, params: Any, velocity: Any,
+                  reducer: Any, shards: Shards, local_velocity: Any = None, schedule: Any = None,
+                  priced: Optional[dict] = None) -> TrainState:
+    """The ``TrainState`` that the twelve arguments of the older form describe."""
+    warnings.warn("save_checkpoint(path, group, config, step, layout, params, velocity, reducer, shards, ...) is "
+                  "deprecated: build a spar_comm.training.TrainState and call save_checkpoint(path, state)",
+                  DeprecationWarning, stacklevel=3)
+    pricing = None if priced is None else auto.resumed(group.topology, priced)
+    return TrainState(group, config, layout, params, velocity, reducer, shards, schedule, pricing, local_velocity,
+                      step)
+
+
+def _write(tmp: str, state: TrainState, residuals: list, local: list) -> None:
     """Rank 0's part of ``save_checkpoint``: the whole file at ``tmp``, stamped."""
-    shared = reducer.shared_state()  # the same on every rank: rank 0's is saved
+    group, config, layout, shards = state.group, state.config, state.layout, state.shards
+    shared = state.allreduce.shared_state()  # the same on every rank: rank 0's is saved
     os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
     with create_hdf5(tmp, in_memory=True) as f:
         f.attrs.update(
-            format=FORMAT, version=__version__, step=step, world_size=group.size, config=config.to_json(),
+            format=FORMAT, version=__version__, step=state.step, world_size=group.size, config=config.to_json(),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         )
-        if priced is not None:
-            f.attrs["auto_priced"] = json.dumps(priced)
-        for group_name, flat in (("params", params), ("optimizer/velocity", velocity)):
+        if state.pricing is not None:
+            f.attrs["auto_priced"] = json.dumps(state.priced)
+        for group_name, flat in (("params", state.params), ("optimizer/velocity", state.velocity)):
             host = to_host(flat)
             for name, (lo, hi) in layout.offsets.items():
                 f.create_dataset(f"{group_name}/{name}", data=host[lo:hi].reshape(layout.shapes[name]))
@@ -106,13 +125,13 @@ def _write(tmp: str, group: Group, config: TrainConfig, step: int, layout: Param
                 f.create_dataset(f"aids/velocity/rank{rank}", data=values)
         if shared is not None:
             f.create_dataset("allreducer/shared", data=shared)
-        state = schedule.state_dict() if hasattr(schedule, "state_dict") else None
-        if state is not None:
+        schedule = state.schedule_state
+        if schedule is not None:
             kept = f.create_group("schedule")
-            kept.attrs.update(previous_norm=state["previous_norm"], density=state["density"])
-            if state["accumulated"] is not None:
-                kept.create_dataset("accumulated", data=to_host(state["accumulated"]))
-        epoch, batch = shards.position(step)
+            kept.attrs.update(previous_norm=schedule["previous_norm"], density=schedule["density"])
+            if schedule["accumulated"] is not None:
+                kept.create_dataset("accumulated", data=to_host(schedule["accumulated"]))
+        epoch, batch = shards.position(state.step)
         f.create_group("data").attrs.update(
             seed=shards.seed, epoch=epoch, batch=batch, steps_per_epoch=shards.steps_per_epoch,
             batch_size=shards.batch_size, world_size=shards.world,
@@ -217,40 +236,39 @@ def read_saved(path: str, group: Group, layout: ParamLayout) -> Saved:
         return dataclasses.replace(saved, priced=group.comm.bcast(saved.priced, root=0))
 
 
-def load_checkpoint(
-    saved: Saved, path: str, group: Group, config: TrainConfig,
-    params: Any, velocity: Any, reducer: FusedAllreduce, xp: Any, local_velocity: Any = None, schedule: Any = None,
-) -> int:
-    """Restore ``saved`` (``read_saved`` of ``path``) in place; return the
-    step to continue from.
+def load_checkpoint(saved: Saved, path: str, state: TrainState) -> None:
+    """Restore ``saved`` (``read_saved`` of ``path``) into ``state`` in place,
+    its ``step`` included.
 
     Collective. A checkpoint of other settings (ConfigError) is refused alike
-    on every rank, and nothing is changed. ``local_velocity`` receives the
-    convergence aids' velocity (momentum correction), which the checkpoint
-    must then hold; so must it a stateful ``schedule``'s state.
+    on every rank, and nothing is changed. A run with momentum correction
+    restores the convergence aids' velocity, which the checkpoint must then
+    hold; so must it a stateful density schedule's state.
     """
+    config, group, schedule, reducer = state.config, state.group, state.schedule, state.allreduce
     changed = config.differences(saved.config)
     if changed:
         detail = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items()))
         raise ConfigError(f"cannot resume {path}: settings differ from the checkpoint's ({detail})")
     if saved.world_size != group.size:
         raise ConfigError(f"cannot resume {path}: saved by {saved.world_size} ranks, now {group.size}")
-    restored = [(params, saved.params), (velocity, saved.velocity)]
-    if local_velocity is not None:
+    restored = [(state.params, saved.params), (state.velocity, saved.velocity)]
+    if state.local_velocity is not None:
         if saved.local_velocity is None:
             raise ConfigError(f"cannot resume {path}: it holds no local velocity for momentum correction")
-        restored.append((local_velocity, saved.local_velocity))
+        restored.append((state.local_velocity, saved.local_velocity))
     stateful = hasattr(schedule, "load_state_dict")
     if stateful and saved.schedule is None:
         raise ConfigError(f"cannot resume {path}: it holds no state for the density schedule")
     shared = reducer.shared_state()
     if (None if shared is None else shared.shape) != (None if saved.shared is None else saved.shared.shape):
         raise ConfigError(f"cannot resume {path}: the allreducer's shared state (PowerSGD's Q) does not fit this run")
+    xp = array_api_compat.array_namespace(state.params)
     for flat, host in restored:
         flat[...] = xp.asarray(host, dtype=flat.dtype, device=array_api_compat.device(flat))
     reducer.load_residual(saved.residual_span, saved.residual)
     if saved.shared is not None:
         reducer.load_shared_state(saved.shared)
     if stateful:
-        schedule.load_state_dict(saved.schedule, xp, like=params)
-    return saved.step
+        schedule.load_state_dict(saved.schedule, xp, like=state.params)
+    state.step = saved.step

@@ -33,6 +33,7 @@ from .distributed import Group, array_backend
 from .models import MLP
 from .optim import SGD
 from .schedule import LearningRate
+from .state import TrainState
 from .trace import COLUMN, StepRecorder, TraceWriter
 
 
@@ -135,17 +136,17 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         pricing = auto.resumed(topology, saved.priced) if resuming else auto.price(topology)
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
                                    options, pricing)
-    priced = pricing.to_state() if pricing is not None else None  # for the checkpoints
     aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
+    state = TrainState(group, config, model.layout, params, optimizer.velocity, allreduce, shards, density, pricing,
+                       aids.velocity)
 
     # -- a fresh start (rank 0's weights everywhere) or a resume ------------------------
-    start = 0
     if saved is not None:
-        start = load_checkpoint(saved, config.checkpoint, group, config, params, optimizer.velocity, allreduce, xp,
-                                local_velocity=aids.velocity, schedule=density)
+        load_checkpoint(saved, config.checkpoint, state)
     else:
         group.broadcast(params, xp)
+    start = state.step
     name = config.algorithm
     if name == AUTO:  # what it chose, and the cluster it priced
         name = f"auto: {allreduce.algorithm} ({pricing.describe()})"
@@ -197,6 +198,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         optimizer.step(params, grad, lr)
         t4 = time.perf_counter()
         step += 1
+        state.step = step
         flags = stop.check(step, writer is not None and writer.failure is not None)
         if flags & WRITE_FAILED:
             raise_if_any(group.comm, writer and writer.failure, WriteError)
@@ -222,8 +224,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         due = flags & SAVE or (config.checkpoint_every and step % config.checkpoint_every == 0)
         if due and step < total and not reason:
             recorder.flush()  # the trace then holds every step the checkpoint covers
-            save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
-                                local_velocity=aids.velocity, schedule=density, priced=priced)
+            save_checkpoint(config.checkpoint, state)
             stop.saved()
     wall = time.perf_counter() - began
     recorder.flush()
@@ -234,8 +235,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     if evaluated_at != step:
         accuracy = evaluate(model, params, data, group, xp, device)
     if config.checkpoint:
-        save_checkpoint(config.checkpoint, group, config, step, model.layout, params, optimizer.velocity, allreduce, shards,
-                            local_velocity=aids.velocity, schedule=density, priced=priced)
+        save_checkpoint(config.checkpoint, state)
     if writer:
         forget_trace()
         writer.close()
