@@ -192,12 +192,14 @@ def write_image(f: h5py.File, path: Any) -> None:
         os.fsync(out.fileno())
 
 
-def stamp(path: Any) -> None:
+def stamp(path: Any) -> str:
     """Write the whole-file checksum into the header of ``path``, a closed
-    HDF5 file created with ``userblock_size=HEADER``. Call it last."""
-    header = MAGIC + _file_digest(path).encode() + b"\n"
+    HDF5 file created with ``userblock_size=HEADER``, and return it (a
+    manifest names the file by it). Call it last."""
+    digest = _file_digest(path)
     with open(path, "r+b") as stream:
-        stream.write(header.ljust(HEADER, b"\0"))
+        stream.write((MAGIC + digest.encode() + b"\n").ljust(HEADER, b"\0"))
+    return digest
 
 
 def unstamp(path: Any) -> None:
@@ -207,11 +209,12 @@ def unstamp(path: Any) -> None:
         stream.write(bytes(HEADER))
 
 
-def check_stamp(path: Any, unstamped: Optional[str] = None) -> None:
+def check_stamp(path: Any, unstamped: Optional[str] = None, digest: Optional[str] = None) -> None:
     """Verify the whole-file checksum before HDF5 parses a byte of the file
     (HDF5 can crash or loop on a damaged file). A file without one (still
     being written, or of an older format) is read unchecked, or refused with
-    the problem ``unstamped`` where that is given."""
+    the problem ``unstamped`` where that is given. ``digest``: the checksum
+    a manifest names the file by; a whole file of another is refused."""
     try:
         with open(path, "rb") as stream:
             header = stream.read(HEADER)
@@ -221,6 +224,9 @@ def check_stamp(path: Any, unstamped: Optional[str] = None) -> None:
         saved = header[len(MAGIC):].split(b"\n")[0].decode("ascii", "replace")
         if saved != _file_digest(path):
             raise BadFileError(path, "the file does not match its checksum: it is damaged, cut short or was edited")
+        if digest is not None and saved != digest:
+            raise BadFileError(path, "not the file its checkpoint names (its checksum differs): a part of another "
+                                     "save, or a file put in its place")
         return
     if header == bytes(HEADER):
         if unstamped:
@@ -244,7 +250,8 @@ def _file_digest(path: Any) -> str:
 
 
 @contextlib.contextmanager
-def open_hdf5(path: Any, live: bool = False, unstamped: Optional[str] = None) -> Iterator[h5py.File]:
+def open_hdf5(path: Any, live: bool = False, unstamped: Optional[str] = None,
+              digest: Optional[str] = None) -> Iterator[h5py.File]:
     """``path`` opened read-only; refused when it is missing, not HDF5, cut
     short or damaged (also when a read inside the block fails on that: any
     error h5py raises there is taken for damage).
@@ -252,12 +259,14 @@ def open_hdf5(path: Any, live: bool = False, unstamped: Optional[str] = None) ->
     The whole-file checksum (``stamp``) is verified first where the file
     carries one; ``unstamped``: the problem to refuse a file without one with.
 
+    ``digest``: the checksum a manifest names the file by (``check_stamp``).
+
     ``live``: the file may be one a running job is still writing (SWMR). It
     is still opened plainly first where it can be, and as SWMR only when
     HDF5 says it is open for writing: an SWMR reader skips HDF5's check of
     the file's length and retries a damaged file's metadata reads for minutes.
     """
-    check_stamp(path, unstamped)
+    check_stamp(path, unstamped, digest)
     try:
         f = h5py.File(path, "r", libver="latest")
     except HDF5_ERRORS as error:

@@ -54,10 +54,12 @@ sys.path[:0] = [str(HERE), str(ROOT / "drivers")]
 #: <kind>_plain: the JSON as written by hand, without the checksum; a change
 #: that stays valid cannot be told from an edit there, so only crashes count.
 JSON_KINDS = ("calibration", "bench_comm", "bench_topk", "sweep")
-KINDS = ("checkpoint", "trace", "trace_live") + JSON_KINDS + tuple(f"{kind}_plain" for kind in JSON_KINDS)
-FILES = {"checkpoint": "ck.h5", "trace": "trace.h5", "trace_live": "live.h5",
-         **{kind: f"{kind}.json" for kind in KINDS[3:]}}
-HDF5 = ("checkpoint", "trace", "trace_live")
+#: checkpoint_part: rank 1's own part of the checkpoint (its file under ck.h5.parts).
+KINDS = ("checkpoint", "checkpoint_part", "trace", "trace_live") + JSON_KINDS + tuple(f"{kind}_plain" for kind in JSON_KINDS)
+FILES = {"checkpoint": "ck.h5", "checkpoint_part": "rank1.h5", "trace": "trace.h5", "trace_live": "live.h5",
+         **{kind: f"{kind}.json" for kind in KINDS[4:]}}
+HDF5 = ("checkpoint", "checkpoint_part", "trace", "trace_live")
+CHECKPOINTS = ("checkpoint", "checkpoint_part")
 #: Settings of the run that writes the good checkpoint and trace: small and quick.
 TRAIN = ["--selector", "exact", "--no-progress", "--trace-every", "5", "--hidden", "32", "--steps", "20",
          "--stop-after", "10"]
@@ -97,6 +99,27 @@ def make_good_files(folder: Path) -> None:
         (folder / FILES[f"{kind}_plain"]).write_text(json.dumps(document, indent=1))
 
 
+def location(kind: str, folder: Path) -> Path:
+    """The file of ``kind`` in ``folder`` (a part's folder is named by its save)."""
+    if kind == "checkpoint_part":
+        (part,) = folder.glob(f"{FILES['checkpoint']}.parts/*/{FILES[kind]}")
+        return part
+    return folder / FILES[kind]
+
+
+def checkpoint_of(path: Path) -> Path:
+    """The checkpoint file that ``path`` (it, or one of its parts) belongs to."""
+    saves = path.parent.parent  # a part lies in <checkpoint>.parts/<save>/
+    return saves.with_suffix("") if saves.suffix == ".parts" else path
+
+
+def copy_checkpoint(source: Path, target: Path) -> None:
+    """A checkpoint file and its parts, copied whole (over any earlier copy)."""
+    shutil.copyfile(source, target)
+    shutil.rmtree(f"{target}.parts", ignore_errors=True)
+    shutil.copytree(f"{source}.parts", f"{target}.parts")
+
+
 # -- what a file means: what the package reads from it ---------------------------------------
 def meaning(kind: str, path: Path, good: Path) -> Any:
     """What the package makes of ``path``, as comparable plain values. Raises
@@ -105,10 +128,14 @@ def meaning(kind: str, path: Path, good: Path) -> Any:
     from spar_comm.costmodel.calibrate import measurements, read, topk_rates
 
     kind = kind.replace("_plain", "")
-    if kind == "checkpoint":
+    if kind in CHECKPOINTS:
         from spar_comm.training.checkpoint import read_checkpoint
+        path, good = checkpoint_of(path), checkpoint_of(good)
         layout = _layout(good)
-        return [dataclasses.asdict(read_checkpoint(str(path), rank, layout)) for rank in (0, 1)]
+        read = [dataclasses.asdict(read_checkpoint(str(path), rank, layout)) for rank in (0, 1)]
+        for saved in read:
+            del saved["parts"]["path"]  # where it was read from, not what it holds
+        return read
     if kind in ("trace", "trace_live"):
         from spar_comm.training.analysis import chrome_events, format_report, summarize
         from spar_comm.training.trace import read_trace
@@ -420,9 +447,13 @@ def run_case(kind: str, change: dict, good_folder: Path, work: Path, originals: 
     """(outcome, detail) of one case, in this process."""
     from spar_comm.files import BadFileError
 
-    good = good_folder / FILES[kind]
-    path = work / FILES[kind]
-    shutil.copyfile(good, path)
+    good = location(kind, good_folder)
+    if kind in CHECKPOINTS:
+        copy_checkpoint(good_folder / FILES["checkpoint"], work / FILES["checkpoint"])
+        path = location(kind, work)
+    else:
+        path = work / FILES[kind]
+        shutil.copyfile(good, path)
     try:
         apply(kind, change, path)
     except Exception as error:  # the edit itself does not apply to this file: not a case
@@ -453,7 +484,7 @@ def is_prefix(found: Any, original: Any) -> bool:
 
 def worker(good_folder: Path) -> None:
     """Run the cases given one per line on stdin; answer one line each on stdout."""
-    originals = {kind: meaning(kind, good_folder / FILES[kind], good_folder / FILES[kind]) for kind in KINDS}
+    originals = {kind: meaning(kind, location(kind, good_folder), location(kind, good_folder)) for kind in KINDS}
     with tempfile.TemporaryDirectory() as work:
         sys.stdout.flush()
         answer = os.fdopen(os.dup(1), "w")
@@ -516,7 +547,7 @@ class Result:
 
 def cases(count: int, seed: int, good_folder: Path, kinds: Sequence[str] = KINDS) -> Iterator[Tuple[str, dict]]:
     """``count`` cases, the kinds in turn, case i of kind k made from seed + i."""
-    infos = {kind: structure(kind, good_folder / FILES[kind]) for kind in kinds}
+    infos = {kind: structure(kind, location(kind, good_folder)) for kind in kinds}
     for i in range(count):
         kind = kinds[i % len(kinds)]
         yield kind, mutation(kind, seed + i, infos[kind])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ from spar_comm.files import BadFileError, seal, stamp
 from spar_comm.training import TrainConfig, build_model
 from spar_comm.training import checkpoint
 from spar_comm.training.checkpoint import read_checkpoint
+from spar_comm.training.parts import folder as parts_folder
 from spar_comm.training.data import load_dataset
 from spar_comm.training.trace import GROWING, read_trace
 
@@ -82,6 +84,34 @@ def read_as_checkpoint(path: Path, good: Path) -> None:
         read_checkpoint(str(path), rank, layout)
 
 
+def checkpoint_of(part: Path) -> Path:
+    """The checkpoint file a part belongs to: <checkpoint>.parts/<save>/rank<r>.h5."""
+    return part.parent.parent.with_suffix("")
+
+
+def part_of(checkpoint: Path) -> Path:
+    """Rank 1's part of the one save a copied checkpoint holds."""
+    (part,) = Path(parts_folder(str(checkpoint))).glob("*/rank1.h5")
+    return part
+
+
+def forged(change: Callable[[h5py.File], None]) -> Callable[[Path], None]:
+    """An edit of a part with every checksum made anew, the manifest's
+    included: only the reader's own checks can refuse it."""
+    def make(path: Path) -> None:
+        with h5py.File(path, "a") as f:
+            change(f)
+            seal(f)
+        digest, main = stamp(path), checkpoint_of(path)
+        with h5py.File(main, "a") as f:
+            digests = f["parts/digests"][()]
+            digests[int(path.stem[len("rank"):])] = digest.encode()
+            f["parts/digests"][()] = digests
+            seal(f)
+        stamp(main)
+    return make
+
+
 def read_as_auto_calibration(path: Path, good: Path) -> None:
     """SPAR_COMM_CALIBRATION is read by make_allreducer("auto"): a ConfigError
     on every rank that names the variable, the file and the problem."""
@@ -99,6 +129,8 @@ def read_as_auto_calibration(path: Path, good: Path) -> None:
 READERS: Dict[str, Tuple[str, str, Callable[[Path, Path], object]]] = {
     "read_trace": ("hdf5", "trace", lambda path, good: read_trace(str(path))),
     "read_checkpoint": ("hdf5", "checkpoint", read_as_checkpoint),
+    "read_checkpoint_part": ("hdf5", "checkpoint_part",
+                             lambda path, good: read_as_checkpoint(checkpoint_of(path), checkpoint_of(good))),
     "calibration": ("json", "calibration", lambda path, good: load([str(path)])),
     "auto": ("json", "calibration", read_as_auto_calibration),
     "bench_comm": ("json", "bench_comm", lambda path, good: measurements(read(str(path))[1], str(path))),
@@ -174,13 +206,23 @@ SCHEMA = {
         ("an empty HDF5 file", "no checksum: a checkpoint of format 1 (or another program's", an_hdf5_file),
         ("version", "checkpoint format 7", edit_hdf5(lambda f: f.attrs.__setitem__("format", 7))),
         ("missing params", "missing dataset 'params/layer0.weight'", edit_hdf5(lambda f: f.__delitem__("params/layer0.weight"))),
-        ("missing residual", "missing dataset 'residuals/rank1'", edit_hdf5(lambda f: f.__delitem__("residuals/rank1"))),
+        ("missing manifest", "missing dataset 'parts/spans'", edit_hdf5(lambda f: f.__delitem__("parts/spans"))),
         ("wrong shape", "dataset 'params/layer0.bias' has shape (3,)", edit_hdf5(replace("params/layer0.bias", np.zeros(3, "f4")))),
         ("wrong dtype", "dataset 'optimizer/velocity/layer0.weight' is int64",
          edit_hdf5(lambda f: replace("optimizer/velocity/layer0.weight", np.zeros(f["optimizer/velocity/layer0.weight"].shape, "i8"))(f))),
-        ("residual range", "residuals/rank0 holds", edit_hdf5(lambda f: f["residuals/rank0"].attrs.__setitem__("hi", 1))),
+        ("residual range", "parts/spans: rank 0's [5, 1)",
+         edit_hdf5(lambda f: f["parts/spans"].__setitem__(0, np.array([5, 1])))),
         ("bad config", "attribute 'config' is not a training configuration",
          edit_hdf5(lambda f: f.attrs.__setitem__("config", '{"no_such_setting": 1}'))),
+    ],
+    "checkpoint_part": [
+        ("edited", "not the file its checkpoint names", edit_hdf5(lambda f: f.attrs.__setitem__("rank", 0))),
+        ("another rank's", "attribute 'rank' is not 1", forged(lambda f: f.attrs.__setitem__("rank", 0))),
+        ("another save's", "attribute 'token' is not this save's", forged(lambda f: f.attrs.__setitem__("token", "x"))),
+        ("residual range", "its residual's span is not the manifest's",
+         forged(lambda f: f["residual"].attrs.__setitem__("hi", 1))),
+        ("missing residual", "missing dataset 'residual'", forged(lambda f: f.__delitem__("residual"))),
+        ("wrong shape", "dataset 'residual' has shape (3,)", forged(replace("residual", np.zeros(3, "f4")))),
     ],
     "calibration": [
         ("version", "calibration format 2", edit_json(lambda d: d.__setitem__("format", 2))),
@@ -212,12 +254,21 @@ SCHEMA = {
 }
 
 
+def copy_checkpoint(source: Path, target: Path) -> None:
+    shutil.copyfile(source, target)
+    shutil.copytree(parts_folder(str(source)), parts_folder(str(target)))
+
+
 def good_file(kind: str, folder: Path, run_files: Tuple[Path, Path]) -> Path:
     """A fresh copy of the good file of ``kind`` in ``folder``."""
-    if kind in ("checkpoint", "trace"):
-        source = run_files[0] if kind == "checkpoint" else run_files[1]
-        path = folder / source.name
-        path.write_bytes(source.read_bytes())
+    folder.mkdir(exist_ok=True)
+    if kind in ("checkpoint", "checkpoint_part"):  # the checkpoint file and its parts
+        path = folder / run_files[0].name
+        copy_checkpoint(run_files[0], path)
+        return path if kind == "checkpoint" else part_of(path)
+    if kind == "trace":
+        path = folder / run_files[1].name
+        path.write_bytes(run_files[1].read_bytes())
         return path
     document = {"calibration": calibration, "bench_comm": bench_comm, "bench_topk": bench_topk,
                 "sweep": modelled_sweep}[kind]()
@@ -239,8 +290,11 @@ def test_every_reader_refuses_every_bad_file_by_name(tmp_path, run_files, reader
     (tmp_path / "good").mkdir()
     good = good_file(kind, tmp_path / "good", run_files)
     read_it(good, good)  # the good file is read without complaint
-    bad = tmp_path / f"bad{good.suffix}"
-    bad.write_bytes(good.read_bytes())
+    if kind in ("checkpoint", "checkpoint_part"):  # a whole copy, where the bad file is one of its files
+        bad = good_file(kind, tmp_path / "bad", run_files)
+    else:
+        bad = tmp_path / f"bad{good.suffix}"
+        bad.write_bytes(good.read_bytes())
     make(bad)
     before = bad.read_bytes()
     with pytest.raises(BadFileError) as caught:
@@ -292,20 +346,21 @@ def flip_a_bit(path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["text", "cut short", "missing residual", "flipped bit", "bad trace"])
+@pytest.mark.parametrize("case", ["text", "cut short", "missing manifest", "flipped bit", "bad part", "bad trace"])
 def test_resume_from_a_bad_file_exits_2_on_every_rank_and_touches_nothing(tmp_path, run_files, case):
     checkpoint, trace = tmp_path / "ck.h5", tmp_path / "trace.h5"
-    checkpoint.write_bytes(run_files[0].read_bytes())
+    copy_checkpoint(run_files[0], checkpoint)
     trace.write_bytes(run_files[1].read_bytes())
-    bad = trace if case == "bad trace" else checkpoint
+    bad = {"bad trace": trace, "bad part": part_of(checkpoint)}.get(case, checkpoint)
     make = {"text": text(b"not a checkpoint"), "cut short": cut_short, "flipped bit": flip_a_bit,
-            "bad trace": text(b"not a trace")}.get(case)
+            "bad part": flip_a_bit, "bad trace": text(b"not a trace")}.get(case)
     (make or dict((c[0], c[2]) for c in SCHEMA["checkpoint"])[case])(bad)
-    before = {path: path.read_bytes() for path in (checkpoint, trace)}
+    files = (checkpoint, trace, *Path(parts_folder(str(checkpoint))).rglob("*.h5"))
+    before = {path: path.read_bytes() for path in files}
     result = run_driver("drivers/train.py", *FAST, "--steps", "20", "--checkpoint", checkpoint, "--trace", trace,
                         "--resume", ranks=2)
     assert_refused(result, bad)
-    assert {path: path.read_bytes() for path in (checkpoint, trace)} == before
+    assert {path: path.read_bytes() for path in files} == before
 
 
 def _pricing(**changes) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fuzz_files
-from fuzz_files import FILES, KINDS, meaning, run, run_case
+from fuzz_files import CHECKPOINTS, FILES, KINDS, copy_checkpoint, location, meaning, run, run_case
 from spar_comm.errors import SparCommError
 from spar_comm.files import BadFileError, agree, seal, stamp, unstamp, write_json
 from spar_comm.training.trace import GROWING, read_trace
@@ -31,6 +31,9 @@ def good(tmp_path_factory) -> Path:
 
 
 def copy(good: Path, kind: str, folder: Path) -> Path:
+    if kind in CHECKPOINTS:  # the checkpoint file and its parts
+        copy_checkpoint(good / FILES["checkpoint"], folder / FILES["checkpoint"])
+        return location(kind, folder)
     path = folder / FILES[kind]
     shutil.copyfile(good / FILES[kind], path)
     return path
@@ -38,7 +41,7 @@ def copy(good: Path, kind: str, folder: Path) -> Path:
 
 def refused(kind: str, path: Path, good: Path) -> str:
     with pytest.raises(BadFileError) as caught:
-        meaning(kind, path, good / FILES[kind])
+        meaning(kind, path, location(kind, good))
     assert str(path) in str(caught.value)
     return caught.value.problem
 
@@ -54,7 +57,7 @@ def datasets(path: Path) -> list:
 @pytest.mark.slow
 def test_a_flipped_bit_in_any_dataset_of_a_checkpoint_is_refused_by_both_checksums(good, tmp_path):
     names = datasets(good / FILES["checkpoint"])
-    assert len(names) == 16  # 6 parameters, 6 velocities, 2 residuals, 2 local velocities
+    assert len(names) == 15  # 6 parameters, 6 velocities, the manifest's spans, checksums and velocity flags
     for name in names:
         for at in (0.0, 0.999):
             path = copy(good, "checkpoint", tmp_path)
@@ -66,9 +69,47 @@ def test_a_flipped_bit_in_any_dataset_of_a_checkpoint_is_refused_by_both_checksu
                 f"dataset {name!r} does not match its checksum: the file is damaged or was edited"
 
 
+@pytest.mark.slow
+def test_a_flipped_bit_in_a_part_is_refused_by_its_checksum_and_the_manifest(good, tmp_path):
+    names = datasets(location("checkpoint_part", good))
+    assert sorted(names) == ["aids/velocity", "residual"]
+    for name in names:
+        path = copy(good, "checkpoint_part", tmp_path)
+        with h5py.File(path, "a") as f:
+            fuzz_files._data_flip(f, dict(name=name, at=0.5, bit=3))
+        assert "the file does not match its checksum" in refused("checkpoint_part", path, good)
+        stamp(path)  # whole again, but not the file the checkpoint names
+        assert refused("checkpoint_part", path, good).startswith("not the file its checkpoint names")
+
+
+def forge(part: Path, edit) -> None:
+    """Edit a part and make every checksum anew, the manifest's included: the
+    reader's own checks behind them must refuse it."""
+    with h5py.File(part, "a") as f:
+        edit(f)
+        seal(f)
+    digest = stamp(part)
+    main, rank = part.parent.parent.with_suffix(""), int(part.stem[len("rank"):])
+    with h5py.File(main, "a") as f:
+        digests = f["parts/digests"][()]
+        digests[rank] = digest.encode()
+        f["parts/digests"][()] = digests
+        seal(f)
+    stamp(main)
+
+
+def test_a_forged_part_is_refused_by_what_it_holds(good, tmp_path):
+    for edit, problem in ((lambda f: f.attrs.__setitem__("rank", 0), "attribute 'rank' is not 1"),
+                          (lambda f: f["residual"].attrs.__setitem__("hi", 1), "its residual's span is not the manifest's"),
+                          (lambda f: f.__delitem__("residual"), "missing dataset 'residual'")):
+        path = copy(good, "checkpoint_part", tmp_path)
+        forge(path, edit)
+        assert problem in refused("checkpoint_part", path, good)
+
+
 def test_an_edit_through_h5py_or_a_missing_dataset_is_refused(good, tmp_path):
     for edit in (lambda f: f["params/layer1.bias"].__setitem__(0, 0.5),
-                 lambda f: f.__delitem__("aids"),  # optional on reading: its absence must still be noticed
+                 lambda f: f.__delitem__("parts/velocities"),
                  lambda f: f.attrs.__setitem__("step", 3)):
         path = copy(good, "checkpoint", tmp_path)
         with h5py.File(path, "a") as f:
@@ -78,15 +119,23 @@ def test_an_edit_through_h5py_or_a_missing_dataset_is_refused(good, tmp_path):
 
 
 def test_non_finite_values_are_refused_behind_valid_checksums(good, tmp_path):
-    for name, value in (("params/layer0.weight", np.nan), ("residuals/rank1", np.inf), ("aids/velocity/rank0", -np.inf)):
-        path = copy(good, "checkpoint", tmp_path)
-        with h5py.File(path, "a") as f:
+    def poke(name: str, value: float):
+        def edit(f: h5py.File) -> None:
             values = f[name][()]
             values.reshape(-1)[7] = value
             f[name][()] = values
-            seal(f)
-        stamp(path)
-        assert refused("checkpoint", path, good) == f"dataset {name!r} holds 1 NaN or infinite values"
+        return edit
+
+    path = copy(good, "checkpoint", tmp_path)
+    with h5py.File(path, "a") as f:
+        poke("params/layer0.weight", np.nan)(f)
+        seal(f)
+    stamp(path)
+    assert refused("checkpoint", path, good) == "dataset 'params/layer0.weight' holds 1 NaN or infinite values"
+    for name, value in (("residual", np.inf), ("aids/velocity", -np.inf)):
+        path = copy(good, "checkpoint_part", tmp_path)
+        forge(path, poke(name, value))
+        assert refused("checkpoint_part", path, good) == f"dataset {name!r} holds 1 NaN or infinite values"
 
 
 def test_a_checkpoint_of_the_previous_format_is_refused_saying_why(good, tmp_path):
@@ -195,7 +244,7 @@ def test_agree_raises_alike_on_every_rank(tmp_path):
 # -- the fuzzer ----------------------------------------------------------------------------
 def test_the_fuzzer_tells_silent_corruption_from_a_refusal(good, tmp_path, monkeypatch):
     """With the checksums switched off, an edited parameter is read: the fuzzer must call it corrupt."""
-    originals = {kind: meaning(kind, good / FILES[kind], good / FILES[kind]) for kind in ("checkpoint", "bench_topk_plain")}
+    originals = {kind: meaning(kind, location(kind, good), location(kind, good)) for kind in ("checkpoint", "bench_topk_plain")}
     change = dict(op="h5_value", name="params/layer1.bias", at=0.5, value=0.5)
     assert run_case("checkpoint", change, good, tmp_path, originals)[0] == "refused"
     import spar_comm.training.checkpoint as checkpoint

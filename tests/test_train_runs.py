@@ -35,10 +35,21 @@ def run_train(n: int, args: List[str], script: str = "drivers/train.py") -> subp
 
 
 def datasets(path: Path) -> dict:
+    """Every dataset of an HDF5 file; of a checkpoint, its parts' too (read
+    with h5py alone, as residuals/rank<r> and aids/velocity/rank<r>), and
+    not the manifest, which names one save's files."""
     found = {}
     with h5py.File(path, "r") as f:
         f.visititems(lambda name, obj: found.update({name: obj[...]}) if isinstance(obj, h5py.Dataset) else None)
-    return found
+        token = f["parts"].attrs["token"] if "parts" in f else None
+    if token is not None:
+        token = token.decode() if isinstance(token, bytes) else token
+        for part in sorted(Path(f"{path}.parts", token).glob("rank*.h5")):
+            with h5py.File(part, "r") as f:
+                found[f"residuals/{part.stem}"] = f["residual"][...]
+                if "aids" in f:
+                    found[f"aids/velocity/{part.stem}"] = f["aids/velocity"][...]
+    return {name: values for name, values in found.items() if not name.startswith("parts/")}
 
 
 @pytest.mark.slow
@@ -79,6 +90,59 @@ def test_stop_after_then_resume_gives_the_same_bits(tmp_path, ranks, ranks_per_n
     for name in a:
         assert np.array_equal(a[name], b[name]), name
     assert full.stdout.split("|")[0] == second.stdout.split("|")[0]  # the same held-out accuracy
+
+
+def saved_totals(path: Path) -> dict:
+    """The serial model of what a checkpoint's residuals and aids' velocities
+    hold in all: every saved rank's values added into the whole vector in
+    rank order, in float32 (read with h5py alone)."""
+    found = datasets(path)
+    size = sum(values.size for name, values in found.items() if name.startswith("params/"))
+    totals = {"residuals": np.zeros(size, np.float32), "aids/velocity": np.zeros(size, np.float32)}
+    with h5py.File(path, "r") as f:
+        token = f["parts"].attrs["token"]
+    for part in sorted(Path(f"{path}.parts", token.decode() if isinstance(token, bytes) else token).glob("rank*.h5"),
+                       key=lambda p: int(p.stem[len("rank"):])):
+        with h5py.File(part, "r") as f:
+            lo, hi = f["residual"].attrs["lo"], f["residual"].attrs["hi"]
+            totals["residuals"][lo:hi] += f["residual"][...]
+            totals["aids/velocity"] += f["aids/velocity"][...]
+    return totals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after, algorithm", [((4, 2), (2, 2), "hitopk"), ((2, 1), (4, 1), "topka"),
+                                                      ((4, 2), (4, 1), "hitopk")])
+def test_a_resume_on_another_world_keeps_what_the_residuals_hold_in_all(tmp_path, before, after, algorithm):
+    """4 -> 2 ranks, 2 -> 4, and 2 x 2 -> 4 x 1: the resumed run's first
+    checkpoint (it has no step left to take) holds the saved totals, bit for bit."""
+    common = [*FAST, "--steps", "10", "--trace", "", "--algorithm", algorithm, "--density", "0.05"]
+    ck = tmp_path / "ck.h5"
+    first = run_train(before[0], [*common, "--ranks-per-node", str(before[1]), "--checkpoint", str(ck)])
+    assert first.returncode == 0, first.stderr
+    saved, kept = saved_totals(ck), datasets(ck)
+    assert saved["residuals"].any() and saved["aids/velocity"].any()
+    second = run_train(after[0], [*common, "--ranks-per-node", str(after[1]), "--checkpoint", str(ck), "--resume"])
+    assert second.returncode == 0, second.stderr
+    assert (f"resuming {ck}, saved by {before[0]} ranks (nodes of {[before[1]] * (before[0] // before[1])}), "
+            f"on {after[0]} ranks") in second.stdout
+    resumed = saved_totals(ck)
+    for name in saved:
+        assert resumed[name].tobytes() == saved[name].tobytes(), name
+    now = datasets(ck)
+    assert sorted(name for name in now if name.startswith("residuals/")) == [f"residuals/rank{r}" for r in range(after[0])]
+    for name in kept:
+        if name.startswith(("params/", "optimizer/", "schedule/")):
+            assert now[name].tobytes() == kept[name].tobytes(), name
+
+
+def test_a_resume_on_another_world_still_checks_the_settings(tmp_path):
+    ck = tmp_path / "ck.h5"
+    common = [*FAST, "--steps", "4", "--trace", "", "--checkpoint", str(ck)]
+    assert run_train(2, common).returncode == 0
+    result = run_train(1, [*common, "--resume", "--lr", "0.3", "--ranks-per-node", "1"])
+    assert result.returncode == 2 and "settings differ" in result.stderr, result.stderr
+    assert "lr: 0.05 -> 0.3" in result.stderr and "ranks_per_node" not in result.stderr, result.stderr
 
 
 @pytest.mark.slow

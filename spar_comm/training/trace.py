@@ -293,7 +293,8 @@ def check_trace(f: h5py.File, world: Optional[int] = None) -> int:
     if saved < 1:
         raise BadFileError(f.filename, f"attribute 'world_size' is {saved}")
     if world is not None and saved != world:
-        raise BadFileError(f.filename, f"a trace of {saved} ranks; this run has {world}")
+        raise BadFileError(f.filename, f"a trace of {saved} ranks; this run has {world}: a run resumed on another "
+                                       "number of ranks writes a new trace (--trace NEW.h5), the old one stays as it is")
     for name in ("algorithm", "selector"):
         attribute(f, name, str)
     attribute(f, "density", float)
