@@ -45,7 +45,7 @@ from spar_comm import ALGORITHMS, emucluster
 from spar_comm.bench.cluster import DENSE, NODE_SWEEP, read_sweep, report, trace_figures
 from spar_comm.bench.record import meta
 from spar_comm.cli import comma_list, positive_int
-from spar_comm.files import BadFileError, write_json
+from spar_comm.files import BadFileError, unwritable, write_json
 from spar_comm.training.trace import read_trace
 
 HERE = Path(__file__).resolve().parent
@@ -110,8 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown algorithm(s) {', '.join(sorted(unknown))}")
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            parser.error(f"cannot write {flag} {path}")
+        if path and unwritable(path, flag):
+            parser.error(unwritable(path, flag))
     return args
 
 

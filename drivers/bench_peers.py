@@ -89,7 +89,7 @@ from spar_comm.costmodel.peers import MIN_COMPRESSION_RATE, ddp_bytes  # noqa: E
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import write_json  # noqa: E402
+from spar_comm.files import unwritable, write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E402
 from spar_comm.workloads import gpt as gpt_workload, resnet  # noqa: E402
@@ -515,8 +515,8 @@ def plot(results: List[dict], title: str, path: str, targets: List[float]) -> No
 
 def output_problem(args: argparse.Namespace) -> Optional[str]:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            return f"cannot write {flag} {path}"
+        if path and unwritable(path, flag):
+            return unwritable(path, flag)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
