@@ -20,6 +20,7 @@ AIDS_OFF = dict(momentum_correction=False, momentum_masking=False, density_sched
 #: The aids a set such as "mc+warmup" may name; each named one is on, the others off.
 #: "accordion" is Accordion's density schedule instead of DGC's warm-up.
 AID_PARTS = ("mc", "mask", "warmup", "accordion")
+#: The baseline cell every other is measured against.
 DENSE = "dense"
 
 

@@ -17,6 +17,7 @@ from ..costmodel.calibrate import LARGEST_CLUSTER, LARGEST_SIZE, measurable
 from ..files import BadFileError, Nullable, check, read_json
 from ..kernels import SELECTORS
 
+#: The dense algorithms: a sweep runs them at its first density only, whose time holds for all.
 DENSE = ("dense", "hier_dense")
 #: --sweep nodes: time against the node count (flags given explicitly still win).
 NODE_SWEEP = dict(layouts=[(2, 1), (4, 1), (8, 1), (16, 1), (2, 2), (4, 2), (8, 2)], sizes=[1 << 20, 1 << 22],
