@@ -33,7 +33,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank (powersgd's products), as train.py
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import functools  # noqa: E402
 import time  # noqa: E402
 
@@ -42,12 +41,13 @@ from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
+from spar_comm.bench import record, timing  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density  # noqa: E402
 from spar_comm.collectives.checks import CODECS, DTYPES  # noqa: E402
 from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import write_json  # noqa: E402
+from spar_comm.files import unwritable  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.memory import DEVICES  # noqa: E402
 from spar_comm.mpi_strings import library_name, processor_name  # noqa: E402
@@ -101,14 +101,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def unwritable(path: str) -> str | None:
-    """Why rank 0 could not write ``path``, or None."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        return f"cannot write --out {path}: {folder} is not a writable folder"
-    return None
-
-
 def options_of(algorithm: str, args: argparse.Namespace) -> dict:
     """The settings of ``args`` that ``algorithm`` takes beyond the common ones."""
     if algorithm == "powersgd":
@@ -143,8 +135,7 @@ def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool)
             rows[j, i, :2] = MPI.Wtime() - start, time.process_time() - cpu
             if j < len(reducers):
                 rows[j, i, 2:] = [reducers[j].last[name] for name in FIGURES]
-    slowest = np.empty_like(rows)
-    world.Allreduce(rows, slowest, op=MPI.MAX)
+    slowest = timing.slowest(world, rows)
     sent = np.array([[r.last[name] for name in COUNTS] for r in reducers], np.int64)
     most, total = np.empty_like(sent), np.empty_like(sent)
     world.Allreduce(sent, most, op=MPI.MAX)
@@ -214,17 +205,15 @@ def main() -> int:
     # Only rank 0 writes, so only its view of the file system counts; all ranks agree.
     raise_if_any(world, unwritable(args.out) if lead and args.out else None)
     counter = link_counter(world, args.link_counters) if args.link_counters else None
-    meta = {
-        "tool": "bench_comm",
+    meta = record.meta("bench_comm", topology.hosts, **{
         "spar_comm_version": spar_comm.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": record.now(),
         "mpi_library": library_name(),
         "world_size": world.size,
         "num_nodes": topology.num_nodes,
         "node_sizes": topology.node_sizes,
         "ranks_per_node": topology.node_sizes[0],
         "emulated": topology.emulated_ranks_per_node is not None,
-        "hosts": sorted(set(topology.hosts)),
         "dtype": args.dtype,
         "density": args.density,
         "selector": args.selector,
@@ -235,7 +224,7 @@ def main() -> int:
         "repeat": args.repeat,
         "shared_buffer": args.shared_buffer,
         "device": topology.memory.describe(),
-    }
+    })
     results = []
     if lead:
         codec = "".join(f"; {name} {kind} for {', '.join(CODECS[kind])}"
@@ -272,7 +261,7 @@ def main() -> int:
                       f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
                       f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)
         if lead and args.out:
-            write_json(args.out, {"meta": meta, "results": results})
+            record.write_record(args.out, meta, results=results)
     return 0
 
 

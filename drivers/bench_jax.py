@@ -22,8 +22,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")  # the ranks fill the cores already
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,8 +30,11 @@ from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
+from spar_comm.bench import record  # noqa: E402
+from spar_comm.bench.timing import slowest_median  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
+from spar_comm.files import unwritable  # noqa: E402
 from spar_comm.jax import sparse_allreduce  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 
@@ -79,10 +80,8 @@ def measure(algorithm: str, size: int, density: float, topology: Topology, warmu
             call()
             if i >= warmup:
                 times[i - warmup, j] = MPI.Wtime() - start
-    slowest = np.empty_like(times)
-    world.Allreduce(times, slowest, op=MPI.MAX)
+    jax_s, alone_s = slowest_median(world, times, axis=0)
     reducer.free()
-    jax_s, alone_s = np.median(slowest, axis=0)
     return {"algorithm": algorithm, "size": size, "jax_update_s": float(jax_s), "allreducer_s": float(alone_s),
             "overhead": float(jax_s / alone_s)}
 
@@ -92,8 +91,7 @@ def main() -> None:
     topology = Topology(ranks_per_node=args.ranks_per_node)
     world = topology.world
     lead = world.rank == 0
-    unwritable = lead and args.out and not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK)
-    raise_if_any(world, f"cannot write --out {args.out}" if unwritable else None)
+    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
     rows = []
     if lead:
         print(f"# {topology.describe()}; density {args.density}; median of {args.repeat} after {args.warmup}, slowest rank")
@@ -106,12 +104,11 @@ def main() -> None:
                 print(f"{size:>10} {algorithm:<14} {row['jax_update_s'] * 1e3:9.3f} {row['allreducer_s'] * 1e3:9.3f} "
                       f"{row['overhead']:7.2f}x", flush=True)
     if lead and args.out:
-        meta = {"tool": "bench_jax", "spar_comm_version": spar_comm.__version__, "jax_version": jax.__version__,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "world_size": world.size, "num_nodes": topology.num_nodes, "density": args.density,
-                "warmup": args.warmup, "repeat": args.repeat}
-        with open(args.out, "w") as stream:
-            json.dump({"meta": meta, "results": rows}, stream, indent=1)
+        meta = record.meta("bench_jax", topology.hosts, spar_comm_version=spar_comm.__version__,
+                           jax_version=jax.__version__, created=record.now(), world_size=world.size,
+                           num_nodes=topology.num_nodes, density=args.density, warmup=args.warmup,
+                           repeat=args.repeat)
+        record.write_record(args.out, meta, results=rows)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,11 @@ import spar_comm.torch as sct  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, retain_freed_memory  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import write_json  # noqa: E402
+from spar_comm.bench.record import meta  # noqa: E402
+from spar_comm.bench.timing import slowest_median  # noqa: E402
+from spar_comm.files import unwritable, write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
+from spar_comm.workloads.mlp import mlp  # noqa: E402
 
 MODES = ("overlap", "sync")
 #: Per step: step, forward+backward, time waited in synchronize.
@@ -60,15 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def mlp(args: argparse.Namespace) -> torch.nn.Module:
-    torch.manual_seed(0)
-    widths = [args.inputs] + [args.hidden] * (args.layers + 1)
-    layers = []
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
-
-
 def timed_step(model, opt, x, y) -> list:
     """One training step: its time, forward+backward, and the wait in synchronize."""
     start = time.perf_counter()
@@ -82,7 +76,7 @@ def timed_step(model, opt, x, y) -> list:
 def measure(args: argparse.Namespace, algorithm: str, topology: Topology) -> dict:
     runs = {}
     for mode in MODES:
-        model = mlp(args)
+        model = mlp(args.inputs, args.hidden, args.layers)
         opt = sct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), model.named_parameters(),
                                        algorithm=algorithm, density=args.density, topology=topology,
                                        bucket_cap_mb=args.bucket_cap_mb, overlap=mode == "overlap")
@@ -97,9 +91,8 @@ def measure(args: argparse.Namespace, algorithm: str, topology: Topology) -> dic
             figures = timed_step(*runs[mode], x, y)
             if i >= args.warmup:
                 rows[m, i - args.warmup] = figures
-    slowest = np.empty_like(rows)
-    topology.world.Allreduce(rows, slowest, op=MPI.MAX)
-    medians = {mode: dict(zip(FIGURES, np.median(slowest[m], axis=0).tolist())) for m, mode in enumerate(MODES)}
+    medians = {mode: dict(zip(FIGURES, figures.tolist()))
+               for mode, figures in zip(MODES, slowest_median(topology.world, rows, axis=1))}
     comm = medians["sync"]["wait"]
     saved = medians["sync"]["step"] - medians["overlap"]["step"]
     model, opt = runs["overlap"]
@@ -113,10 +106,7 @@ def measure(args: argparse.Namespace, algorithm: str, topology: Topology) -> dic
 def main() -> None:
     args = parse_args()
     world = MPI.COMM_WORLD
-    problem = None
-    if args.out and world.rank == 0 and not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):
-        problem = f"cannot write --out {args.out}"
-    raise_if_any(world, problem)
+    raise_if_any(world, unwritable(args.out) if args.out and world.rank == 0 else None)
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     topology = Topology(ranks_per_node=args.ranks_per_node)
@@ -131,6 +121,7 @@ def main() -> None:
               f"{100 * r['hidden']:>7.0f}%")
     if args.out:
         document = dict(
+            meta=meta("bench_overlap", topology.hosts, world_size=world.size, topology=topology.describe()),
             benchmark="bench_overlap", version=spar_comm.__version__, world_size=world.size,
             topology=topology.describe(), created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
             settings={k: v for k, v in vars(args).items() if k != "out"}, results=results,

@@ -68,44 +68,33 @@ import datetime  # noqa: E402
 import itertools  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
-import time  # noqa: E402
 from multiprocessing.connection import Connection  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Callable, Dict, Iterable, List, Optional, Tuple  # noqa: E402
+from typing import Callable, List, Optional, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-import bench_overlap  # noqa: E402
 import spar_comm  # noqa: E402
 import spar_comm.torch as sct  # noqa: E402
-import train_cnn  # noqa: E402
-import train_gpt  # noqa: E402
-from spar_comm import ALGORITHMS, Topology, retain_freed_memory, waiting  # noqa: E402
+from spar_comm import Topology, retain_freed_memory  # noqa: E402
+from spar_comm.bench.peers import (MODES, PEERS, PHASES, SPAR, SPINNING, Runner, Workload, classify,  # noqa: E402
+                                   held_out, learning_curve, phases_of)
+from spar_comm.bench.record import meta  # noqa: E402
+from spar_comm.bench.timing import rotated, slowest  # noqa: E402
+from spar_comm.costmodel.peers import MIN_COMPRESSION_RATE, ddp_bytes  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import write_json  # noqa: E402
+from spar_comm.files import unwritable, write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E402
+from spar_comm.workloads import gpt as gpt_workload, resnet  # noqa: E402
+from spar_comm.workloads.mlp import mlp  # noqa: E402
 
-POWERSGD_RANKS = (1, 4)
-#: torch's default: compress a matrix only where that at least halves it.
-MIN_COMPRESSION_RATE = 2
-#: torch's own modes, each run in a process of its own.
-PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
-#: spar_comm's modes through DistributedOptimizer: (algorithm, values, indices).
-SPAR = {**{f"spar_{a}": (a, None, None) for a in (*ALGORITHMS, "auto")},
-        "spar_dense_float16": ("dense", "float16", None), "spar_dense_int8": ("dense", "int8", None),
-        "spar_hitopk_int8": ("hitopk", "int8", "auto"), "spar_hitopk_spin": ("hitopk", None, None)}
-#: spar_comm's modes whose waits spin in MPI (see ``spar_comm/waiting.py``).
-SPINNING = ("spar_hitopk_spin",)
-MODES = (*PEERS, *SPAR, "spar_hook", "no_comm")
 #: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
 STARTUP_SECONDS = 120
 
@@ -160,12 +149,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     mlp.add_argument("--hidden", type=positive_int, default=2048, help="(default: %(default)s)")
     mlp.add_argument("--layers", type=positive_int, default=4, help="hidden-to-hidden layers (default: %(default)s)")
     gpt = models.add_parser("gpt", parents=[common], help="drivers/train_gpt.py's GPT on its text")
-    train_gpt.add_model_arguments(gpt)
+    gpt_workload.add_model_arguments(gpt)
     cnn = models.add_parser("cnn", parents=[common], help="drivers/train_cnn.py's ResNet on its digits")
-    train_cnn.add_model_arguments(cnn)
+    resnet.add_model_arguments(cnn)
     args = parser.parse_args(argv)
     if args.model == "gpt":
-        train_gpt.settle_model_arguments(gpt, args)
+        gpt_workload.settle_model_arguments(gpt, args)
     if args.model == "mlp" and args.eval_every:
         parser.error("--eval-every: the mlp trains on random data and has nothing held out")
     if args.targets and not args.eval_every:
@@ -174,40 +163,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- the workload: a model, its batches, its loss, its optimizer, its held-out metric -----------------
-@dataclass
-class Workload:
-    """What every mode trains alike. ``metric`` is None where nothing is held out."""
-
-    new_model: Callable[[], torch.nn.Module]  # every new model starts from the same weights
-    next_batch: Callable[[], Tuple[torch.Tensor, ...]]
-    loss: Callable[[torch.nn.Module, tuple], torch.Tensor]
-    new_optimizer: Callable[[Iterable], torch.optim.Optimizer]
-    metric: Optional[Callable[[torch.nn.Module], float]] = None
-    metric_name: str = ""
-    lower_is_better: bool = False
-
-    def reached(self, value: float, target: float) -> bool:
-        return value <= target if self.lower_is_better else value >= target
-
-
-def classify(model: torch.nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
-
-
-def held_out(score: Callable[[torch.nn.Module], float]) -> Callable[[torch.nn.Module], float]:
-    """``score`` of a model in eval mode without gradients; DDP's wrapper is
-    looked through, since its forward would broadcast buffers to ranks that
-    do not evaluate."""
-    def metric(model: torch.nn.Module) -> float:
-        module = getattr(model, "module", model)
-        module.eval()
-        with torch.no_grad():
-            value = score(module)
-        module.train()
-        return value
-    return metric
-
-
 #: The GPT's validation set: the same evenly spaced windows for every mode.
 GPT_EVAL_BATCHES, GPT_EVAL_SEQUENCES = 16, 8
 
@@ -215,115 +170,32 @@ GPT_EVAL_BATCHES, GPT_EVAL_SEQUENCES = 16, 8
 def workload(args: argparse.Namespace, rank: int) -> Workload:
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     if args.model == "gpt":
-        text, validation = train_gpt.stdlib_text()
-        batches = train_gpt.validation_batches(validation, GPT_EVAL_BATCHES, GPT_EVAL_SEQUENCES, args.context)
-        return Workload(lambda: train_gpt.build_model(args),
-                        lambda: train_gpt.random_batch(text, args.batch_size, args.context, generator),
+        text, validation = gpt_workload.stdlib_text()
+        batches = gpt_workload.validation_batches(validation, GPT_EVAL_BATCHES, GPT_EVAL_SEQUENCES, args.context)
+        return Workload(lambda: gpt_workload.build_model(args),
+                        lambda: gpt_workload.random_batch(text, args.batch_size, args.context, generator),
                         lambda model, batch: model(*batch),
                         lambda params: torch.optim.AdamW(params, lr=args.lr or 1e-3, weight_decay=0.01),
                         held_out(lambda m: sum(m(x, y).item() for x, y in batches) / len(batches)),
                         "validation loss", lower_is_better=True)
     if args.model == "cnn":
-        x, y, test_x, test_y = train_cnn.digits_images(args.image)
+        x, y, test_x, test_y = resnet.digits_images(args.image)
 
         def batch():
             picked = torch.randint(len(y), (args.batch_size,), generator=generator)
             return x[picked], y[picked]
 
-        return Workload(lambda: train_cnn.build_model(args), batch, classify,
+        return Workload(lambda: resnet.build_model(args), batch, classify,
                         lambda params: torch.optim.SGD(params, lr=args.lr or 0.05, momentum=0.9, weight_decay=5e-4),
                         held_out(lambda m: (m(test_x).argmax(1) == test_y).float().mean().item()),
                         "held-out accuracy")
     x = torch.randn(args.batch_size, args.inputs, generator=generator)
     y = torch.randint(10, (args.batch_size,), generator=generator)
-    return Workload(lambda: bench_overlap.mlp(args), lambda: (x, y), classify,
+    return Workload(lambda: mlp(args.inputs, args.hidden, args.layers), lambda: (x, y), classify,
                     lambda params: torch.optim.SGD(params, lr=args.lr or 1e-3))
 
 
-# -- torch.distributed from the MPI launch ------------------------------------------------------
-# -- bytes between nodes of DDP's modes ------------------------------------------------------------
-def ring_bytes(nbytes: float, ranks: int) -> float:
-    return 2 * (ranks - 1) / ranks * nbytes
-
-
-def powersgd_elements(shapes: List[Tuple[int, ...]], rank: int) -> Tuple[int, int, int]:
-    """(uncompressed, P, Q) elements one PowerSGD step allreduces, by torch's
-    rule: a tensor of 2+ dimensions is a matrix of shape[0] rows; it is
-    compressed where (rows + columns) * rank * MIN_COMPRESSION_RATE < rows * columns."""
-    whole = p = q = 0
-    for shape in shapes:
-        numel = int(np.prod(shape))
-        rows = shape[0] if len(shape) > 1 else 0
-        cols = numel // rows if rows else 0
-        if rows and (rows + cols) * rank * MIN_COMPRESSION_RATE < numel:
-            p, q = p + rows * rank, q + cols * rank
-        else:
-            whole += numel
-    return whole, p, q
-
-
-def ddp_bytes(mode: str, model: torch.nn.Module, topology: Topology) -> Optional[float]:
-    """What ``mode`` sends between nodes per rank and step (float32 gradients)."""
-    if topology.num_nodes == 1:
-        return 0.0
-    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    ranks = topology.world.size
-    if mode == "ddp":
-        return ring_bytes(4 * sum(int(np.prod(s)) for s in shapes), ranks)
-    if mode == "ddp_fp16":
-        return ring_bytes(2 * sum(int(np.prod(s)) for s in shapes), ranks)
-    if mode.startswith("ddp_powersgd_r"):
-        whole, p, q = powersgd_elements(shapes, int(mode[len("ddp_powersgd_r"):]))
-        return ring_bytes(4 * (whole + p), ranks) + ring_bytes(4 * q, ranks)
-    return None  # spar_hook: its own figures are not known here
-
-
 # -- the modes ---------------------------------------------------------------------------------
-class Runner:
-    """One mode: its replica of the model, its optimizer, what a step sends
-    between nodes, and (spar_comm's optimizer) where its communication went."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 sent: Callable[[], Optional[float]], note: str = "",
-                 phases: Optional[Callable[[], Dict[str, float]]] = None, spin: bool = False):
-        self.model, self.optimizer, self.sent, self.note, self.phases = model, optimizer, sent, note, phases
-        self.spin = spin
-
-    def step(self, batch, loss: Callable) -> float:
-        """One training step; its seconds."""
-        with waiting.sleeping(waiting.SLEEP and not self.spin):  # the communication thread works only inside a step
-            start = time.perf_counter()
-            self.optimizer.zero_grad()
-            loss(self.model, batch).backward()
-            self.optimizer.step()
-            return time.perf_counter() - start
-
-    def evaluate(self, metric: Callable[[torch.nn.Module], float]) -> float:
-        return metric(self.model)
-
-
-#: Where the communication of a spar_comm step went, in seconds summed over its buckets.
-PHASES = ("select", "intra", "inter", "local", "copies", "wait")
-
-
-def phases_of(opt: torch.optim.Optimizer) -> Dict[str, float]:
-    """This rank's last step: inside the allreducers, selection, MPI inside and
-    between nodes, and their own passes over memory (residual adds,
-    scatter-adds, codecs, the check); around them, the copies of the gradients
-    into the buckets; and how long step() waited after backward for
-    the buckets still being reduced."""
-    figures = dict.fromkeys(PHASES, 0.0)
-    for bucket, times in zip(opt.buckets, opt.last_timings):
-        last = bucket.reducer.last
-        figures["select"] += last["t_select"]
-        figures["intra"] += last["t_intra"]
-        figures["inter"] += last["t_inter"]
-        figures["local"] += last["t_total"] - last["t_select"] - last["t_intra"] - last["t_inter"]
-        figures["copies"] += times["end"] - times["start"] - last["t_total"]
-    figures["wait"] = opt.last_wait
-    return figures
-
-
 def build_ddp(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Namespace,
               topology: Topology) -> Runner:
     """DDP around ``replica`` on the default process group, with ``mode``'s hook (collective)."""
@@ -472,7 +344,9 @@ def start_modes(args: argparse.Namespace, topology: Topology, work: Workload, re
     started = {}
     for mode, method in zip(peers, init_methods(world, len(peers), on_one_host(world))):
         replica = work.new_model()
-        started[mode] = Peer(mode, method, world, args, replica, work, ddp_bytes(mode, replica, topology))
+        shapes = [tuple(p.shape) for p in replica.parameters() if p.requires_grad]
+        sent = ddp_bytes(mode, shapes, world.size, topology.num_nodes)
+        started[mode] = Peer(mode, method, world, args, replica, work, sent)
     runners = {}
     for mode in args.modes:
         def construct(mode=mode):
@@ -546,19 +420,17 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
     for runner in runners.values():
         if isinstance(runner, Peer):
             runner.close()
-    slowest = np.empty_like(seconds)
-    world.Allreduce(seconds, slowest, op=MPI.MAX)
+    slowest_seconds = slowest(world, seconds)
     mean_sent = np.empty_like(sent)
     world.Allreduce(sent, mean_sent, op=MPI.SUM)
     mean_sent /= world.size
-    slowest_phases = np.empty_like(phases)
-    world.Allreduce(phases, slowest_phases, op=MPI.MAX)  # each phase on its slowest rank
+    slowest_phases = slowest(world, phases)  # each phase on its slowest rank
     for m, mode in enumerate(args.modes):
         if args.eval_every:
-            results[mode].update(learning_curve(evaluations[mode], np.cumsum(slowest[m]), work, args.targets))
+            results[mode].update(learning_curve(evaluations[mode], np.cumsum(slowest_seconds[m]), work, args.targets))
         if results[mode]["status"] == "ok":
             bytes_inter = float(np.median(mean_sent[m]))
-            results[mode].update(step_ms=1e3 * float(np.median(slowest[m, args.warmup:])),
+            results[mode].update(step_ms=1e3 * float(np.median(slowest_seconds[m, args.warmup:])),
                                  bytes_inter=None if np.isnan(bytes_inter) else bytes_inter,
                                  note=runners[mode].note)
             if not np.isnan(slowest_phases[m]).any():
@@ -573,27 +445,6 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
                 reached["ratio_to_ddp"] = reached["seconds"] / ddps["seconds"] if ddps["seconds"] else None
     parameters = sum(p.numel() for p in work.new_model().parameters())
     return [results[mode] for mode in args.modes], parameters
-
-
-def rotated(count: int, start: int) -> List[int]:
-    """``range(count)`` beginning at ``start`` (modulo ``count``): round i's order of the modes."""
-    return [(start + j) % count for j in range(count)]
-
-
-def learning_curve(evaluations: List[Tuple[int, float]], elapsed: np.ndarray, work: Workload,
-                   targets: List[float]) -> dict:
-    """A mode's held-out metric against its own training time (the slowest
-    rank's steps, summed; evaluations not counted), and for each target the
-    first evaluation that reached it."""
-    curve = [[r, float(elapsed[r - 1]), value] for r, value in evaluations]
-
-    def first(target: float) -> dict:
-        reached = [point for point in curve if work.reached(point[2], target)]
-        return dict(target=target, steps=reached[0][0] if reached else None,
-                    seconds=reached[0][1] if reached else None)
-
-    return dict(metric=work.metric_name, curve=curve, final_metric=curve[-1][2] if curve else None,
-                to_target=[first(target) for target in targets])
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -664,8 +515,8 @@ def plot(results: List[dict], title: str, path: str, targets: List[float]) -> No
 
 def output_problem(args: argparse.Namespace) -> Optional[str]:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            return f"cannot write {flag} {path}"
+        if path and unwritable(path, flag):
+            return unwritable(path, flag)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -700,6 +551,8 @@ def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, result
         plot(results, title, args.plot, args.targets)
     if args.out:
         document = dict(
+            meta=meta("bench_peers", topology.hosts, model=args.model, world_size=world.size,
+                      nodes=topology.num_nodes, topology=topology.describe()),
             benchmark="bench_peers", version=spar_comm.__version__, torch=torch.__version__,
             world_size=world.size, nodes=topology.num_nodes, topology=topology.describe(),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(), parameters=parameters,

@@ -22,24 +22,22 @@ Sleeping should cost a small part of the wait in CPU, and spinning all of it;
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import spar_comm  # noqa: E402
-from bench_comm import unwritable  # noqa: E402
-from spar_comm import waiting  # noqa: E402
-from spar_comm.cli import positive_float, positive_int  # noqa: E402
-from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import write_json  # noqa: E402
-from spar_comm.launch import run_main  # noqa: E402
-from spar_comm.mpi_strings import library_name  # noqa: E402
+import spar_comm
+from spar_comm import waiting
+from spar_comm.bench import record
+from spar_comm.bench.timing import slowest
+from spar_comm.cli import positive_float, positive_int
+from spar_comm.consensus import raise_if_any
+from spar_comm.files import unwritable
+from spar_comm.launch import run_main
+from spar_comm.mpi_strings import library_name
 
 WAYS = ("sleep", "spin")
 COLLECTIVES = ("Barrier", "Allgather", "Allreduce")
@@ -107,12 +105,12 @@ def main() -> int:
         if lead and (i + 1) % max(1, rounds // 5) == 0:
             print(f"round {i + 1}/{rounds}", file=sys.stderr, flush=True)
     waited = cpu * (comm.rank != 0)  # the late rank did not wait
-    most = np.empty_like(waited)
-    comm.Allreduce(waited, most, op=MPI.MAX)  # ``after`` is rank 0's own
+    most = slowest(comm, waited)  # ``after`` is rank 0's own
     results = [dict(way=way, cpu_median=float(np.median(most[w, args.warmup:])),
                     after_median=float(np.median(after[w, args.warmup:])),
                     after_p90=float(np.percentile(after[w, args.warmup:], 90)))
                for w, way in enumerate(WAYS)]
+    hosts = record.hosts_of(comm)
     if lead:
         print(f"# {comm.size} ranks, {library_name()}; rank 0 {args.late_ms:g} ms late at {args.collective}; "
               f"medians of {args.repeat} rounds; longest pause {waiting.longest_pause(comm.size) * 1e6:.0f} us")
@@ -121,11 +119,11 @@ def main() -> int:
             print(f"{r['way']:<6} {r['cpu_median'] * 1e3:8.3f} {r['cpu_median'] / (args.late_ms / 1e3):8.0%} "
                   f"{r['after_median'] * 1e6:9.0f} {r['after_p90'] * 1e6:8.0f}")
         if args.out:
-            meta = dict(tool="bench_waiting", spar_comm_version=spar_comm.__version__, mpi_library=library_name(),
-                        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        world_size=comm.size, collective=args.collective, late_ms=args.late_ms,
-                        warmup=args.warmup, repeat=args.repeat, longest_pause=waiting.longest_pause(comm.size))
-            write_json(args.out, {"meta": meta, "results": results})
+            meta = record.meta("bench_waiting", hosts, spar_comm_version=spar_comm.__version__,
+                               mpi_library=library_name(), created=record.now(), world_size=comm.size,
+                               collective=args.collective, late_ms=args.late_ms, warmup=args.warmup,
+                               repeat=args.repeat, longest_pause=waiting.longest_pause(comm.size))
+            record.write_record(args.out, meta, results=results)
     return 0
 
 

@@ -20,23 +20,19 @@ segments, so a caller can check that none is left in /dev/shm after the exit.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import time
 from typing import Dict, List
 
 import numpy as np
 
 from spar_comm import ALGORITHMS, Topology, make_allreducer
+from spar_comm.bench.record import meta
+from spar_comm.bench.resources import FIGURES, growth, snapshot, worst
 from spar_comm.cli import comma_list, density, positive_float, positive_int
 from spar_comm.consensus import raise_if_any
+from spar_comm.files import unwritable, write_json
 from spar_comm.launch import run_main
 from spar_comm.mpi_strings import library_name
-
-#: What a snapshot holds, and how each figure is measured.
-FIGURES = ("rss_kib", "fds", "shm_segments")
-SHM = re.compile(r"\s(/dev/shm/\S+)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,34 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def snapshot() -> dict:
-    """This rank's resident memory, open file descriptors and mapped /dev/shm segments."""
-    with open("/proc/self/status") as status:
-        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    with open("/proc/self/maps") as maps:
-        segments = sorted({match.group(1) for match in map(SHM.search, maps) if match})
-    return {"rss_kib": rss, "fds": len(os.listdir("/proc/self/fd")), "shm_segments": len(segments), "segments": segments}
-
-
-def growth(start: dict, later: dict) -> Dict[str, float]:
-    """Relative growth of each figure from ``start`` to ``later`` (0 where both are 0)."""
-    return {name: (later[name] - start[name]) / start[name] if start[name] else (np.inf if later[name] else 0.0)
-            for name in FIGURES}
-
-
-def worst(snapshots: Dict[str, List[dict]], phase: str) -> Dict[str, float]:
-    """The largest growth over ranks of each figure, from the start to ``phase``."""
-    per_rank = [growth(start, later) for start, later in zip(snapshots["start"], snapshots[phase])]
-    return {name: max(g[name] for g in per_rank) for name in FIGURES}
-
-
 def main() -> int:
     args = parse_args()
     topology = Topology(ranks_per_node=args.ranks_per_node)
     world = topology.world
     lead = world.rank == 0
-    raise_if_any(world, f"cannot write --out {args.out}" if lead and args.out and not os.access(
-        os.path.dirname(os.path.abspath(args.out)), os.W_OK) else None)
+    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
     rng = np.random.default_rng(world.rank)
     grads = [rng.standard_normal(args.size).astype(np.float32) for _ in range(4)]
     out = np.empty(args.size, np.float32)
@@ -138,11 +112,10 @@ def main() -> int:
         print(f"{'passed' if passed else 'FAILED'}: growth bound {args.bound:.0%}, {args.steps} steps over "
               f"{', '.join(args.algorithms)}, {args.rebuilds} builds of each; {topology.describe().split(';')[0]}")
         if args.out:
-            document = {"meta": {**vars(args), "world_size": world.size, "topology": topology.describe(),
-                                 "mpi_library": library_name()},
+            document = {"meta": meta("soak", topology.hosts, **vars(args), world_size=world.size,
+                                     topology=topology.describe(), mpi_library=library_name()),
                         "seconds": seconds, "snapshots": snapshots, "growth": verdicts, "passed": passed}
-            with open(args.out, "w") as stream:
-                json.dump(document, stream, indent=1)
+            write_json(args.out, document)
     return 0 if passed else 1
 
 

@@ -86,6 +86,15 @@ def write_json(path: Any, document: Any) -> None:
     os.replace(temporary, path)
 
 
+def unwritable(path: Any, flag: str = "--out") -> Optional[str]:
+    """Why ``path`` could not be written (its folder is missing or read-only),
+    or None: checked before any work, so a long run does not end unwritten."""
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"cannot write {flag} {os.fspath(path)}: {folder} is not a writable folder"
+    return None
+
+
 def _json_digest(document: Any) -> str:
     canonical = json.dumps(document, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

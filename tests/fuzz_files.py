@@ -47,7 +47,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT / "drivers")]
+sys.path[:0] = [str(HERE)]
 
 #: trace_live: a trace as its writer leaves it while running or after a crash,
 #: without the whole-file checksum, so that HDF5 parses the damage.
@@ -152,11 +152,11 @@ def meaning(kind: str, path: Path, good: Path) -> Any:
     if kind == "bench_topk":
         return topk_rates(read(str(path))[1], str(path))
     if kind == "sweep":
-        import bench_cluster
-        document = bench_cluster.read_sweep(str(path))
+        from spar_comm.bench.cluster import read_sweep, report
+        document = read_sweep(str(path))
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            bench_cluster.report(document)
+            report(document)
         return printed.getvalue()
     raise ValueError(kind)
 

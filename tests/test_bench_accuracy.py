@@ -1,18 +1,16 @@
 """drivers/bench_accuracy.py: every cell is the run train.py would make with
-the same flags (checked against train.py itself), the table's arithmetic,
-and bad input."""
+the same flags (checked against train.py itself), the table's arithmetic
+(spar_comm.bench.accuracy), and bad input."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "drivers"))
-import bench_accuracy  # noqa: E402
+from spar_comm.bench import accuracy
+from spar_comm.training import TrainConfig
 
 AIDS_OFF_FLAGS = ["--no-momentum-correction", "--no-momentum-masking", "--density-schedule", "fixed", "--density-warmup", "0",
                   "--clip-norm", "0"]
@@ -51,7 +49,7 @@ def test_the_table_gives_mean_spread_and_distance_from_dense():
     runs = [{"cell": "dense", "final_metric": m, "mean_density": 1.0} for m in (0.96, 0.98)]
     runs += [{"cell": "hitopk 0.001 aids on", "final_metric": m, "mean_density": d}
              for m, d in ((0.90, 0.001), (0.94, 0.002), (0.95, 0.003))]
-    lines = bench_accuracy.table(runs).splitlines()
+    lines = accuracy.table(runs).splitlines()
     dense, sparse = lines[1].split(), lines[2].split()
     assert dense[1:5] == ["0.9700", f"{statistics.stdev([0.96, 0.98]):.4f}", "0.9600", "0.9800"] and dense[5] == "-"
     assert sparse[4:] == ["0.9300", f"{statistics.stdev([0.90, 0.94, 0.95]):.4f}", "0.9000", "0.9500", "-4.00p", "3",
@@ -60,17 +58,17 @@ def test_the_table_gives_mean_spread_and_distance_from_dense():
 
 
 def test_an_aid_set_switches_on_what_it_names_and_off_the_rest():
-    base = bench_accuracy.TrainConfig(clip_norm=2.0, density_warmup=3)
-    assert bench_accuracy.aid_changes("on", base) == {}
-    off = bench_accuracy.aid_changes("off", base)
-    assert off == bench_accuracy.AIDS_OFF
-    both = bench_accuracy.aid_changes("warmup+mc", base)
+    base = TrainConfig(clip_norm=2.0, density_warmup=3)
+    assert accuracy.aid_changes("on", base) == {}
+    off = accuracy.aid_changes("off", base)
+    assert off == accuracy.AIDS_OFF
+    both = accuracy.aid_changes("warmup+mc", base)
     assert (both["momentum_correction"], both["momentum_masking"], both["density_warmup"], both["clip_norm"]) == \
         (True, False, 3, 0.0)
-    masked = bench_accuracy.aid_changes("mc+mask", base)
+    masked = accuracy.aid_changes("mc+mask", base)
     assert (masked["momentum_correction"], masked["momentum_masking"], masked["density_warmup"]) == (True, True, 0)
     assert (both["density_schedule"], masked["density_schedule"]) == ("warmup", "fixed")
-    accordion = bench_accuracy.aid_changes("mc+accordion", base)
+    accordion = accuracy.aid_changes("mc+accordion", base)
     assert (accordion["density_schedule"], accordion["momentum_correction"], accordion["density_warmup"]) == \
         ("accordion", True, 0)
 

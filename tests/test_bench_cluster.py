@@ -1,4 +1,4 @@
-"""drivers/bench_cluster.py without a cluster: its report of a sweep, and bad input.
+"""drivers/bench_cluster.py without a cluster: its report of a sweep (spar_comm.bench.cluster), and bad input.
 
 The sweep itself needs root and network namespaces (tests/test_emucluster.py
 covers the harness); here the report is fed cells the cost model itself
@@ -7,17 +7,10 @@ from __future__ import annotations
 
 import json
 
-import os
-import sys
-
 import pytest
 
 from spar_comm import ALGORITHMS, costmodel
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "drivers"))
-import bench_cluster  # noqa: E402
-
-DENSE = ("dense", "hier_dense")
+from spar_comm.bench.cluster import DENSE, NODE_SWEEP
 
 
 def modelled_sweep() -> dict:
@@ -46,8 +39,8 @@ def modelled_node_sweep() -> dict:
     records = []
     for rate, gbps in (("100mbit", 0.1), ("1gbit", 1.0), ("unshaped", None)):
         machine = costmodel.CPU.with_links(inter_gbps=gbps) if gbps else costmodel.CPU.replace(beta_inter=0.0)
-        for hosts, ranks in bench_cluster.NODE_SWEEP["layouts"]:
-            for size in bench_cluster.NODE_SWEEP["sizes"]:
+        for hosts, ranks in NODE_SWEEP["layouts"]:
+            for size in NODE_SWEEP["sizes"]:
                 for algorithm in ALGORITHMS:
                     cluster = costmodel.Cluster(hosts, ranks)
                     terms = costmodel.step_terms(algorithm, cluster, size, "float32", 0.001, "mstopk")

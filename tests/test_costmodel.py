@@ -13,7 +13,7 @@ from spar_comm import ALGORITHMS, selection_size
 from spar_comm.collectives.checks import CODECS
 from spar_comm.costmodel import (CPU, GPU, CalibrationError, Cluster, Machine, Measurement, fastest, fit,
                                  gbps_to_beta, load, predict, relative_errors, step_terms)
-from spar_comm.costmodel import mpi, probe
+from spar_comm.costmodel import mpi, peers, probe
 
 clusters = st.builds(Cluster, st.integers(1, 512), st.integers(1, 16))
 sizes = st.integers(1, 2_000_000_000)
@@ -318,3 +318,29 @@ def test_cores_stretch_cpu_work_by_the_worst_ranks_per_core_within_rounding(rank
         assert cores is None
     else:  # cores is round(ranks / worst)
         assert 1 <= cores <= len(ranks) and abs(len(ranks) / cores - worst) <= worst / (2 * cores) + 1e-9
+
+
+# -- DDP's bytes (costmodel/peers.py), the peers bench_peers.py compares against ---------------
+def test_powersgd_bytes_follow_torchs_own_rule():
+    hook = pytest.importorskip("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook")
+    shapes = [(64, 3, 3, 3), (300, 20), (10, 10), (7,), (4096, 2048), (1, 5000)]
+    for rank in (1, 4):
+        whole = p = q = 0
+        for shape in shapes:
+            rows = shape[0] if len(shape) > 1 else 0
+            cols = math.prod(shape) // rows if rows else 0
+            if rows and hook._should_compress(rows, cols, rank, peers.MIN_COMPRESSION_RATE)[0]:
+                p, q = p + rows * rank, q + cols * rank
+            else:
+                whole += math.prod(shape)
+        assert peers.powersgd_elements(shapes, rank) == (whole, p, q)
+
+
+def test_ddp_bytes_are_a_ring_allreduce_of_the_gradients_between_nodes_only():
+    shapes = [(300, 20), (7,)]
+    assert peers.ddp_bytes("ddp", shapes, ranks=4, nodes=1) == 0.0  # nothing leaves the node
+    assert peers.ddp_bytes("ddp", shapes, ranks=4, nodes=2) == 2 * 3 / 4 * 4 * 6007
+    assert peers.ddp_bytes("ddp_fp16", shapes, ranks=4, nodes=2) == 2 * 3 / 4 * 2 * 6007
+    whole, p, q = peers.powersgd_elements(shapes, 1)
+    assert peers.ddp_bytes("ddp_powersgd_r1", shapes, ranks=2, nodes=2) == 4 * (whole + p) + 4 * q
+    assert peers.ddp_bytes("spar_hook", shapes, ranks=2, nodes=2) is None

@@ -1,6 +1,7 @@
 """drivers/gpu_check.py, the one command for a GPU machine: its simulated mode
 runs every kind of step without a GPU and writes both reports, and the
-performance targets it reports are computed from the benchmark's figures."""
+performance targets it reports are computed from the benchmark's figures
+(spar_comm.bench.gpu_report)."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,10 @@ import pytest
 
 from conftest import ROOT
 
+from spar_comm.bench import gpu_report
+
 pytest.importorskip("torch")
 pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
-sys.path.insert(0, str(ROOT / "drivers"))
-import gpu_check  # noqa: E402
 
 
 @pytest.mark.slow
@@ -42,7 +43,7 @@ def test_the_targets_come_from_the_largest_float32_figures():
     records = [record("torch.topk", 1.5), record("threshold", 0.25, True, True), record("mstopk", 0.5, True, True),
                record("exact", 0.1, True, True, n=1 << 20), record("threshold_warm", 0.1, True, False),
                record("cub.DeviceTopK", 0.2), record("floor", 0.1)]
-    lines = gpu_check.targets(records)
+    lines = gpu_report.targets(records)
     assert lines[0] == ("- fastest exact selection at 2^26: `threshold`, 0.250 ms (target at most 0.25 ms: **held**), "
                         "6.00x torch.topk (target 6x: **held**), 2.50 reads of the vector")
     assert lines[1].endswith("cub.DeviceTopK 0.200 ms): **missed**")  # a library ran faster
@@ -58,7 +59,7 @@ def test_a_bad_budget_is_refused(tmp_path):
 
 def test_a_step_keeps_its_whole_output_in_the_log_and_no_terminal_codes_in_the_reports(tmp_path):
     """Seen on a GPU image: pytest's colours forced on, and Open MPI's library version ending in a NUL."""
-    step = gpu_check.Step("noisy", [sys.executable, "-c", "print('\\x1b[32m3 passed\\x1b[0m in 1s\\x00')"], 30)
+    step = gpu_report.Step("noisy", [sys.executable, "-c", "print('\\x1b[32m3 passed\\x1b[0m in 1s\\x00')"], 30)
     step.run({}, remaining=30, log=tmp_path / "gpu-check.log")
     assert step.result["status"] == "passed" and step.result["summary"] == "3 passed in 1s"
     assert "===== noisy: passed" in (tmp_path / "gpu-check.log").read_text()

@@ -1,17 +1,15 @@
 """drivers/soak.py: a few steps and rebuilds at 4 ranks as 2x2, so the soak
 keeps working (the full run is 10,000 steps; see docs/results/soak.md), and its growth
-arithmetic."""
+arithmetic (spar_comm.bench.resources)."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "drivers"))
-import soak  # noqa: E402
+from spar_comm.bench.resources import growth, worst
 
 
 @pytest.mark.slow
@@ -32,10 +30,10 @@ def test_a_short_soak_passes_and_leaves_nothing_in_dev_shm(run_driver, tmp_path)
 
 def test_growth_is_relative_to_the_start_and_the_worst_rank_counts():
     start = {"rss_kib": 1000, "fds": 20, "shm_segments": 0}
-    assert soak.growth(start, {"rss_kib": 1100, "fds": 20, "shm_segments": 0}) == {"rss_kib": 0.1, "fds": 0.0, "shm_segments": 0.0}
-    assert math.isinf(soak.growth(start, {**start, "shm_segments": 1})["shm_segments"])
+    assert growth(start, {"rss_kib": 1100, "fds": 20, "shm_segments": 0}) == {"rss_kib": 0.1, "fds": 0.0, "shm_segments": 0.0}
+    assert math.isinf(growth(start, {**start, "shm_segments": 1})["shm_segments"])
     snapshots = {"start": [start, start], "steps": [start, {**start, "fds": 25}]}
-    assert soak.worst(snapshots, "steps") == {"rss_kib": 0.0, "fds": 0.25, "shm_segments": 0.0}
+    assert worst(snapshots, "steps") == {"rss_kib": 0.0, "fds": 0.25, "shm_segments": 0.0}
 
 
 @pytest.mark.slow

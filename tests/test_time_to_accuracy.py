@@ -5,16 +5,13 @@ that miss)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
+from spar_comm.bench.cluster import trace_figures
 from spar_comm.training.analysis import summarize, time_to_accuracy
 from spar_comm.training.trace import FIELDS, TraceWriter, read_trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drivers"))
-from bench_cluster import trace_figures  # noqa: E402
 
 ATTRS = dict(world_size=2, algorithm="hitopk", selector="mstopk", density=0.001, test_metric_name="accuracy",
              config=json.dumps({"batch_size": 32}))

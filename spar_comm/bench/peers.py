@@ -1,0 +1,125 @@
+"""The modes drivers/bench_peers.py runs against each other, and the parts of
+a mode that do not depend on the run: what a step times, what the
+communication's phases are, and a mode's time to a held-out target.
+torch is imported only by the functions that use it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from .. import waiting
+from ..collectives import ALGORITHMS
+
+if TYPE_CHECKING:
+    import torch
+
+POWERSGD_RANKS = (1, 4)
+#: torch's own modes, each run in a process of its own.
+PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
+#: spar_comm's modes through DistributedOptimizer: (algorithm, values, indices).
+SPAR = {**{f"spar_{a}": (a, None, None) for a in (*ALGORITHMS, "auto")},
+        "spar_dense_float16": ("dense", "float16", None), "spar_dense_int8": ("dense", "int8", None),
+        "spar_hitopk_int8": ("hitopk", "int8", "auto"), "spar_hitopk_spin": ("hitopk", None, None)}
+#: spar_comm's modes whose waits spin in MPI (see ``spar_comm/waiting.py``).
+SPINNING = ("spar_hitopk_spin",)
+MODES = (*PEERS, *SPAR, "spar_hook", "no_comm")
+#: Where the communication of a spar_comm step went, in seconds summed over its buckets.
+PHASES = ("select", "intra", "inter", "local", "copies", "wait")
+
+
+@dataclass
+class Workload:
+    """What every mode trains alike. ``metric`` is None where nothing is held out."""
+
+    new_model: Callable[[], "torch.nn.Module"]  # every new model starts from the same weights
+    next_batch: Callable[[], Tuple["torch.Tensor", ...]]
+    loss: Callable[["torch.nn.Module", tuple], "torch.Tensor"]
+    new_optimizer: Callable[[Iterable], "torch.optim.Optimizer"]
+    metric: Optional[Callable[["torch.nn.Module"], float]] = None
+    metric_name: str = ""
+    lower_is_better: bool = False
+
+    def reached(self, value: float, target: float) -> bool:
+        return value <= target if self.lower_is_better else value >= target
+
+
+def classify(model: "torch.nn.Module", batch: Tuple["torch.Tensor", "torch.Tensor"]) -> "torch.Tensor":
+    """The cross-entropy of ``model`` on a batch of (inputs, classes)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def held_out(score: Callable[["torch.nn.Module"], float]) -> Callable[["torch.nn.Module"], float]:
+    """``score`` of a model in eval mode without gradients; DDP's wrapper is
+    looked through, since its forward would broadcast buffers to ranks that
+    do not evaluate."""
+    def metric(model: "torch.nn.Module") -> float:
+        import torch
+
+        module = getattr(model, "module", model)
+        module.eval()
+        with torch.no_grad():
+            value = score(module)
+        module.train()
+        return value
+    return metric
+
+
+class Runner:
+    """One mode: its replica of the model, its optimizer, what a step sends
+    between nodes, and (spar_comm's optimizer) where its communication went."""
+
+    def __init__(self, model: Any, optimizer: Any, sent: Callable[[], Optional[float]], note: str = "",
+                 phases: Optional[Callable[[], Dict[str, float]]] = None, spin: bool = False):
+        self.model, self.optimizer, self.sent, self.note, self.phases = model, optimizer, sent, note, phases
+        self.spin = spin
+
+    def step(self, batch: Any, loss: Callable) -> float:
+        """One training step; its seconds."""
+        with waiting.sleeping(waiting.SLEEP and not self.spin):  # the communication thread works only inside a step
+            start = time.perf_counter()
+            self.optimizer.zero_grad()
+            loss(self.model, batch).backward()
+            self.optimizer.step()
+            return time.perf_counter() - start
+
+    def evaluate(self, metric: Callable[[Any], float]) -> float:
+        return metric(self.model)
+
+
+def phases_of(opt: Any) -> Dict[str, float]:
+    """This rank's last step of a spar_comm DistributedOptimizer ``opt``:
+    inside the allreducers, selection, MPI inside and between nodes, and
+    their own passes over memory (residual adds, scatter-adds, codecs, the
+    check); around them, the copies of the gradients into the buckets; and
+    how long step() waited after backward for the buckets still being reduced."""
+    figures = dict.fromkeys(PHASES, 0.0)
+    for bucket, times in zip(opt.buckets, opt.last_timings):
+        last = bucket.reducer.last
+        figures["select"] += last["t_select"]
+        figures["intra"] += last["t_intra"]
+        figures["inter"] += last["t_inter"]
+        figures["local"] += last["t_total"] - last["t_select"] - last["t_intra"] - last["t_inter"]
+        figures["copies"] += times["end"] - times["start"] - last["t_total"]
+    figures["wait"] = opt.last_wait
+    return figures
+
+
+def learning_curve(evaluations: List[Tuple[int, float]], elapsed: np.ndarray, work: Workload,
+                   targets: List[float]) -> dict:
+    """A mode's held-out metric against its own training time (``elapsed``:
+    the slowest rank's steps, summed; evaluations not counted), and for each
+    target the first evaluation that reached it."""
+    curve = [[r, float(elapsed[r - 1]), value] for r, value in evaluations]
+
+    def first(target: float) -> dict:
+        reached = [point for point in curve if work.reached(point[2], target)]
+        return dict(target=target, steps=reached[0][0] if reached else None,
+                    seconds=reached[0][1] if reached else None)
+
+    return dict(metric=work.metric_name, curve=curve, final_metric=curve[-1][2] if curve else None,
+                to_target=[first(target) for target in targets])

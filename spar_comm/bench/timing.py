@@ -1,0 +1,33 @@
+"""Timing across ranks: a collective call is as slow as its slowest rank, so
+every benchmark reports, per round, the largest of the ranks' times, and
+then the median over rounds, which a spell of load on a shared machine
+hardly moves."""
+from __future__ import annotations
+
+from typing import Any, List
+
+import numpy as np
+from mpi4py import MPI
+
+
+def slowest(comm: Any, values: np.ndarray) -> np.ndarray:
+    """Elementwise the largest of every rank's ``values`` (same shape on every
+    rank; collective: Allreduce with MPI.MAX). NaN stays NaN where any rank has one."""
+    values = np.ascontiguousarray(values)
+    out = np.empty_like(values)
+    comm.Allreduce(values, out, op=MPI.MAX)
+    return out
+
+
+def slowest_median(comm: Any, values: np.ndarray, axis: int = -1) -> np.ndarray:
+    """The median along ``axis`` (the rounds) of the slowest rank's values
+    (collective); a float where ``values`` is one row."""
+    medians = np.median(slowest(comm, values), axis=axis)
+    return float(medians) if np.ndim(medians) == 0 else medians
+
+
+def rotated(count: int, start: int) -> List[int]:
+    """``range(count)`` beginning at ``start`` (modulo ``count``): round
+    ``start``'s order of ``count`` interleaved modes, so that no mode always
+    runs right after the same one."""
+    return [(start + j) % count for j in range(count)]
