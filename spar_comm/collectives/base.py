@@ -300,10 +300,15 @@ class Allreducer:
         full[lo:hi] = self.feedback.residual
         return full
 
-    def residual_state(self) -> Tuple[Tuple[int, int], np.ndarray]:
+    def residual_state(self, copy: bool = True) -> Tuple[Tuple[int, int], np.ndarray]:
         """This rank's residual for a checkpoint: its range ``[lo, hi)`` of the
-        global vector and a copy of its values."""
-        return self.feedback.state.span, self.memory.to_host(self.feedback.residual)
+        global vector and a copy of its values; with ``copy=False``, on the
+        host, the values themselves (what a writer reads at once: no second
+        residual in memory while it saves)."""
+        values = self.feedback.residual
+        if copy or not self.memory.in_host_memory:
+            values = self.memory.to_host(values)
+        return self.feedback.state.span, values
 
     def shared_state(self) -> Optional[np.ndarray]:
         """State every rank holds alike beside the residual, for a checkpoint

@@ -178,8 +178,8 @@ class ScheduledAllreduce:
     def sparse(self) -> bool:
         return self.current.sparse
 
-    def residual(self) -> Tuple[Tuple[int, int], np.ndarray]:
-        return self.current.residual()
+    def residual(self, copy: bool = True) -> Tuple[Tuple[int, int], np.ndarray]:
+        return self.current.residual(copy)
 
     def load_residual(self, span: Tuple[int, int], values: np.ndarray) -> None:
         self.current.load_residual(span, values)

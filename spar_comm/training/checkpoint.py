@@ -72,7 +72,7 @@ def save_checkpoint(path: str, state: TrainState, *legacy: Any, **legacy_keyword
     group = state.group
     with waiting.watched("Bcast of the checkpoint's name", group.comm):
         token = group.comm.bcast(parts.new_token(state.step) if group.rank == 0 else None, root=0)
-    span, residual = state.allreduce.residual()
+    span, residual = state.allreduce.residual(copy=False)  # written before anything changes it
     velocity = None if state.local_velocity is None else to_host(state.local_velocity)
     digest, problem = None, None
     try:
@@ -297,7 +297,8 @@ def load_checkpoint(saved: Saved, path: str, state: TrainState) -> None:
     density schedule's state.
     """
     config, group, schedule, reducer = state.config, state.group, state.schedule, state.allreduce
-    span = tuple(reducer.residual()[0])
+    span, mine = reducer.residual(copy=False)
+    span = tuple(span)
     with waiting.watched("Allgather of the residuals' spans", group.comm):
         spans = group.comm.allgather(span)
     same_world = saved.world_size == group.size and tuple(spans) == saved.parts.spans
@@ -318,7 +319,7 @@ def load_checkpoint(saved: Saved, path: str, state: TrainState) -> None:
     if same_world:
         residual, local = saved.residual, saved.local_velocity
     else:
-        residual, local = _redistributed(saved, path, group, spans, reducer.residual()[1].dtype,
+        residual, local = _redistributed(saved, path, group, spans, mine.dtype,
                                          state.local_velocity is not None)
     restored = [(state.params, saved.params), (state.velocity, saved.velocity)]
     if state.local_velocity is not None:

@@ -94,9 +94,10 @@ class FusedAllreduce:
             grad[...] = xp.asarray(host, device=array_api_compat.device(grad))
         return grad
 
-    def residual(self) -> Tuple[Tuple[int, int], np.ndarray]:
-        """This rank's error-feedback residual: its global range and values."""
-        return self.reducer.residual_state()
+    def residual(self, copy: bool = True) -> Tuple[Tuple[int, int], np.ndarray]:
+        """This rank's error-feedback residual: its global range and values
+        (``copy=False``: on the host, the values themselves)."""
+        return self.reducer.residual_state(copy)
 
     def load_residual(self, span: Tuple[int, int], values: np.ndarray) -> None:
         """Restore a residual saved by ``residual()`` on the same rank and layout."""
