@@ -201,13 +201,14 @@ def test_the_state_survives_a_save_and_load_and_the_bucket_rebuild(topology):
     its first step in other buckets than the ones the residuals were saved from."""
     model, opt, state, before = run_chosen(topology, range(3))
     saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
-    assert_all(COMM, len(saved["hook"]["residuals"]) == COMM.size, "not every rank's residuals")
+    assert_all(COMM, list(saved["hook"]["residuals"]) == [f"rank{COMM.rank}"], "not this rank's residuals only")
     assert_all(COMM, np.abs(residual_sums(state, list(model.ps))).sum() > 0, "no residual to carry")
     fresh = sct.comm_hook("hitopk", 0.05, topology=topology)[0]
     fresh.load_state_dict(saved["hook"])
-    again = fresh.state_dict()["residuals"]
-    same = all(again[r].keys() == mine.keys() and all(torch.equal(again[r][c], v) for c, v in mine.items())
-               for r, mine in enumerate(saved["hook"]["residuals"]))
+    again = fresh.state_dict()["residuals"][f"rank{COMM.rank}"]
+    mine = saved["hook"]["residuals"][f"rank{COMM.rank}"]
+    same = len(again) == len(mine) == len(state.residuals()) and all(
+        a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(again, mine))
     assert_all(COMM, same, "the state changed in a save and load")
 
     model, _, state, after = run_chosen(topology, range(3, 5), saved)
@@ -215,6 +216,41 @@ def test_the_state_survives_a_save_and_load_and_the_bucket_rebuild(topology):
     total = before + after + residual_sums(state, list(model.ps))
     assert_all(COMM, np.allclose(total, raw, rtol=0, atol=1e-9), "residual mass lost in the resume")
     assert_identical_bits(COMM, flat(model.ps), "parameters")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_rank_0s_saved_hook_state_loaded_by_every_rank_is_refused_and_format_1_still_loads(topology, tmp_path_factory):
+    """The recipe "rank 0 saves, every rank loads that file" would give every
+    other rank rank 0's residuals: refused on every rank alike, naming
+    torch.distributed.checkpoint and a file per rank (a world of one keeps
+    it). A state of format 1 (every rank's residuals) gives each rank its own."""
+    model, _, state, _ = run_chosen(topology, range(2))
+    kept = state.residuals()
+    folder = COMM.bcast(str(tmp_path_factory.mktemp("hook")) if COMM.rank == 0 else None)
+    if COMM.rank == 0:
+        torch.save(state.state_dict(), f"{folder}/hook.pt")
+    COMM.Barrier()
+    fresh = sct.comm_hook("hitopk", 0.05, topology=topology)[0]
+    if COMM.size == 1:
+        fresh.load_state_dict(torch.load(f"{folder}/hook.pt"))
+    else:
+        with pytest.raises(ConfigError) as refused:
+            fresh.load_state_dict(torch.load(f"{folder}/hook.pt"))
+        message = str(refused.value)
+        assert_all(COMM, len(set(COMM.allgather(message))) == 1, "the ranks were told different things")
+        assert "the hook state holds the residuals of rank0" in message, message
+        for named in ("torch.distributed.checkpoint.save", "torch.distributed.checkpoint.load",
+                      "torch.save each rank's own state_dict() to a file per rank"):
+            assert named in message, message
+        assert_all(COMM, not fresh._loaded, "a refused load took residuals")
+    old = {"format": 1, "world_size": COMM.size, "algorithm": "hitopk",
+           "residuals": COMM.allgather({c: torch.from_numpy(v) for c, v in kept.items()})}
+    fresh = sct.comm_hook("hitopk", 0.05, topology=topology)[0]
+    fresh.load_state_dict(old)
+    same = fresh._loaded.keys() == kept.keys() and all(np.array_equal(fresh._loaded[c], v) for c, v in kept.items())
+    assert_all(COMM, same, "format 1 did not give this rank its residuals")
+    digests = COMM.allgather(b"".join(kept[c].tobytes() for c in sorted(kept)))
+    assert_all(COMM, len(set(digests)) == COMM.size, "the ranks' residuals do not differ: the test shows nothing")
 
 
 class StubBucket:

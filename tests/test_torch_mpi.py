@@ -283,7 +283,7 @@ def test_state_dict_round_trip_resumes_to_the_same_bits(topology):
     net, opt = make_run(topology)
     train_steps(net, opt, range(3))
     saved_model, saved_opt = net.state_dict(), opt.state_dict()
-    assert_all(COMM, len(saved_opt["spar_comm"]["residuals"]) == COMM.size, "not every rank's residuals")
+    assert_all(COMM, list(saved_opt["spar_comm"]["residuals"]) == [f"rank{COMM.rank}"], "not this rank's residuals only")
     net, opt = make_run(topology, seed=1)  # other weights and empty state, then loaded
     net.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
@@ -291,6 +291,73 @@ def test_state_dict_round_trip_resumes_to_the_same_bits(topology):
     resumed = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy()
     assert_all(COMM, np.array_equal(straight, resumed), "resumed run differs from the one that never stopped")
     assert_identical_bits(COMM, resumed, "parameters")
+
+
+def shared_directory(tmp_path_factory):
+    """A directory every rank sees: rank 0's."""
+    return COMM.bcast(str(tmp_path_factory.mktemp("state")) if COMM.rank == 0 else None)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_rank_0s_torch_save_loaded_by_every_rank_is_refused_naming_the_ways_that_scale(topology, tmp_path_factory):
+    """The recipe "rank 0 saves, every rank loads that file" would give every
+    other rank rank 0's residuals: refused on every rank alike, naming
+    torch.distributed.checkpoint and a file per rank, nothing loaded. A
+    world of one keeps the recipe; a file per rank loads on every rank."""
+    net, opt = make_run(topology)
+    train_steps(net, opt, range(2))
+    folder = shared_directory(tmp_path_factory)
+    if COMM.rank == 0:
+        torch.save(opt.state_dict(), f"{folder}/optimizer.pt")
+    torch.save(opt.state_dict(), f"{folder}/optimizer.rank{COMM.rank}.pt")
+    COMM.Barrier()
+    net, fresh = make_run(topology, seed=1)
+    before = residuals_of(fresh)
+    if COMM.size == 1:
+        fresh.load_state_dict(torch.load(f"{folder}/optimizer.pt"))
+    else:
+        with pytest.raises(ConfigError) as refused:
+            fresh.load_state_dict(torch.load(f"{folder}/optimizer.pt"))
+        message = str(refused.value)
+        assert_all(COMM, len(set(COMM.allgather(message))) == 1, "the ranks were told different things")
+        assert message.startswith(f"rank{'s 1 to' if COMM.size > 2 else ''} {COMM.size - 1}: the state_dict holds "
+                                  "the residuals of rank0"), message
+        for named in ("torch.distributed.checkpoint.save", "torch.distributed.checkpoint.load",
+                      "torch.save each rank's own state_dict() to a file per rank"):
+            assert named in message, message
+        assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(residuals_of(fresh), before)),
+                   "a refused load changed a residual")
+        fresh.load_state_dict(torch.load(f"{folder}/optimizer.rank{COMM.rank}.pt"))
+    assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(residuals_of(fresh), residuals_of(opt))),
+               "this rank's residuals did not come back")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_state_of_format_1_with_every_ranks_residuals_still_loads(topology):
+    """The previous layout (every rank's residuals, a list by rank), as a job
+    saved it: each rank takes its own entry and the run resumes to the bits
+    of the run that never stopped."""
+    net, opt = make_run(topology)
+    train_steps(net, opt, range(6))
+    straight = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy().copy()
+
+    net, opt = make_run(topology)
+    train_steps(net, opt, range(3))
+    saved_model, saved_opt = net.state_dict(), opt.state_dict()
+    entry = saved_opt["spar_comm"]
+    mine = entry.pop("residuals")[f"rank{COMM.rank}"]
+    mine = [(tuple(mine[f"bucket{i}"]["span"].tolist()), mine[f"bucket{i}"]["values"]) for i in range(len(mine))]
+    entry.pop("stateful_parameters")
+    entry.update(format=1, residuals=COMM.allgather(mine))
+    assert_all(COMM, len(set(map(repr, COMM.allgather(entry["residuals"])))) == 1, "format 1 is every rank's")
+    kept = residuals_of(opt)
+    net, opt = make_run(topology, seed=1)
+    net.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(residuals_of(opt), kept)), "not this rank's residuals")
+    train_steps(net, opt, range(3, 6))
+    resumed = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy()
+    assert_all(COMM, np.array_equal(straight, resumed), "resumed run differs from the one that never stopped")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -341,18 +408,21 @@ def test_an_auto_state_of_a_job_that_chose_otherwise_is_refused_naming_the_choic
 
 @pytest.mark.mpi(min_size=2)
 def test_a_state_with_a_damaged_residual_is_refused_on_every_rank(topology):
-    """Every rank checks every rank's residuals: one verdict, though only the last rank's is bad."""
+    """Each rank checks its own residuals, and the ranks agree: one verdict on
+    every rank, naming the last rank, though only the last rank's is bad."""
     net, opt = make_run(topology)
     train_steps(net, opt, range(2))
     state = opt.state_dict()
-    residuals = state["spar_comm"]["residuals"]
-    span, values = residuals[-1][0]
-    assert len(values) > 0
-    residuals[-1][0] = (span, torch.full_like(values, float("nan")))
-    with pytest.raises(ConfigError, match=f"residual of rank {COMM.size - 1}, bucket 0 is not finite values"):
+    residual = state["spar_comm"]["residuals"][f"rank{COMM.rank}"]["bucket0"]
+    assert len(residual["values"]) > 0
+    last = COMM.rank == COMM.size - 1
+    if last:
+        residual["values"] = torch.full_like(residual["values"], float("nan"))
+    with pytest.raises(ConfigError, match=f"rank {COMM.size - 1}: .*residual of this rank, bucket 0, is not finite"):
         opt.load_state_dict(state)
-    del residuals[-1]
-    with pytest.raises(ConfigError, match=f"residuals are not {COMM.size} lists"):
+    if last:
+        del state["spar_comm"]["residuals"][f"rank{COMM.rank}"]["bucket0"]
+    with pytest.raises(ConfigError, match=f"rank {COMM.size - 1}: .*residuals of this rank are not "):
         opt.load_state_dict(state)
 
 
@@ -519,8 +589,8 @@ def test_an_overflow_on_one_rank_is_skipped_by_grad_scaler_on_every_rank(topolog
             assert_all(COMM, np.array_equal(parameters_of(model), before[0]), "the skipped step moved a parameter")
             assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(residuals_of(opt), before[1])),
                        "the skipped step changed a residual")
-        saved = opt.state_dict()["spar_comm"]["residuals"][COMM.rank]
-        runs.append((parameters_of(model), [values.numpy() for _, values in saved]))
+        saved = opt.state_dict()["spar_comm"]["residuals"][f"rank{COMM.rank}"]
+        runs.append((parameters_of(model), [saved[f"bucket{i}"]["values"].numpy() for i in range(len(saved))]))
     assert_identical_bits(COMM, runs[0][0], "parameters")
     assert_all(COMM, np.array_equal(runs[0][0], runs[1][0]), "the parameters differ from the run without the overflow")
     assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1])),

@@ -131,3 +131,16 @@ def test_ddp_over_a_gloo_group_is_exact_conserves_and_survives_a_nan(ranks):
     GradScaler skipped on every rank with its scale halved."""
     lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_ddp.py", limit=120)
     assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_state_round_trips_through_torch_distributed_checkpoint_rank_by_rank(ranks):
+    """tests/torchrun_state.py: the optimizer's and the hook's state saved and
+    loaded with torch.distributed.checkpoint, each rank's residuals (different
+    on every rank) under their own keys in their own file, back to the bit on
+    their rank; resumed runs reach the bits of the run that never stopped (the
+    optimizer) and conserve the gradients (the hook); a template without the
+    wrapped optimizer's momentum is refused."""
+    lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_state.py", limit=150)
+    assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines

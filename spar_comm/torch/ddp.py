@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import waiting
 from ..collectives import AUTO
 from ..costmodel import auto
 from ..consensus import raise_if_any, require_same
@@ -43,11 +42,14 @@ from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward, after_queued
 from .optimizer import non_finite_problem
+from .state import agree, own_residuals, rank_key
 from .streams import NoStreams, as_array, as_tensor, streams_for
 from .world import job_comm, require_job_world
 
-#: ``HookState.state_dict()["format"]``: bumped when the layout changes.
-HOOK_STATE_FORMAT = 1
+#: ``HookState.state_dict()["format"]``: bumped when the layout changes. 2: this
+#: rank's residuals only, ``residuals["rank{r}"]`` a tuple of (bucket, position,
+#: values); 1 (still loaded): every rank's, a list by rank of {coordinate: values}.
+HOOK_STATE_FORMAT = 2
 #: A parameter's coordinate: (bucket index, position) in the process's first iteration.
 Coordinate = Tuple[int, int]
 
@@ -82,9 +84,9 @@ class _Bucket:
 class HookState:
     """The hook's state: one allreducer per DDP bucket, and the residuals.
 
-    ``state_dict()`` / ``load_state_dict()`` carry every rank's residuals in
-    parameter coordinates (see the module's docstring); both are collective
-    and called between iterations."""
+    ``state_dict()`` / ``load_state_dict()`` carry this rank's residuals in
+    parameter coordinates (see the module's docstring), between iterations;
+    ``load_state_dict`` is collective."""
 
     def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology], comm: Any,
                  error_feedback: bool, non_finite: str, grad_scaler: Any, settings: Dict[str, Any]):
@@ -320,33 +322,41 @@ class HookState:
 
     # -- the public interface --------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Every rank's residuals by parameter coordinate, so any rank's copy can
-        resume the job. Collective: every rank calls it, after backward."""
+        """This rank's residuals by parameter coordinate, under
+        ``["residuals"]["rank{r}"]``: a tuple of ``(bucket, position, values)``
+        (``torch.distributed.checkpoint`` saves a tuple whole, as one object of
+        this rank's, so a fresh state, which knows no parameter before its
+        first iteration, is a template it loads into), beside the world size
+        and the algorithm. Local: no rank's residuals reach another. Each rank
+        loads its own (``torch.distributed.checkpoint``, or ``torch.save`` to a
+        file per rank). Call it after backward."""
         self._wait_idle()
-        with waiting.watched("Allgather of the residuals for state_dict()", self._comm, patient=True):
-            everyone = self._comm.allgather(self.residuals())  # pickled: once per checkpoint
+        mine = tuple((int(c[0]), int(c[1]), torch.from_numpy(np.ascontiguousarray(v)))
+                     for c, v in sorted(self.residuals().items()))
         return {
             "format": HOOK_STATE_FORMAT,
             "world_size": self._comm.size,
             "algorithm": self.algorithm,
-            "residuals": [{c: torch.from_numpy(v) for c, v in mine.items()} for mine in everyone],
+            "residuals": {rank_key(self._comm.rank): mine},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Take this rank's residuals from what ``state_dict()`` returned (by any
-        rank of a job of the same size). Each parameter's residual reaches the
-        allreducer of whichever bucket holds it next. Collective: a mismatch on
-        any rank raises ConfigError on every rank, before anything is loaded."""
+        """Take this rank's residuals from what its ``state_dict()`` returned
+        in a job of the same size (from a state of format 1, which held every
+        rank's, this rank's entry). Each parameter's residual reaches the
+        allreducer of whichever bucket holds it next. Collective: a state that
+        holds another rank's residuals (one rank's saved state loaded by every
+        rank), or any mismatch on any rank, raises ConfigError on every rank,
+        before anything is loaded."""
         self._wait_idle()
-        problem = _hook_state_problem(state, self._comm.size)
-        raise_if_any(self._comm, problem)
+        mine, problem = _own_hook_residuals(state, self._comm.rank, self._comm.size)
+        agree(self._comm, problem)
         # What the state held is replaced: its allreducers are rebuilt on their
         # buckets' next calls and take the loaded residuals then.
         for bucket in self.buckets.values():
             bucket.reducer.free()
         self.buckets, self._carry = {}, {}
-        self._loaded = {tuple(c): np.array(torch.as_tensor(v).cpu().numpy()).ravel()
-                        for c, v in state["residuals"][self._comm.rank].items()}
+        self._loaded = mine
 
     def _wait_idle(self) -> None:
         """Wait for the communication thread to finish the buckets handed to it
@@ -355,13 +365,36 @@ class HookState:
             self._idle.wait_for(lambda: self._busy == 0)
 
 
-def _hook_state_problem(state: Any, world_size: int) -> Optional[str]:
-    if not isinstance(state, dict) or state.get("format") != HOOK_STATE_FORMAT:
-        return (f"the hook state has no format {HOOK_STATE_FORMAT} entry (was it saved by "
-                "spar_comm.torch.comm_hook's state.state_dict()?)")
-    if state.get("world_size") != world_size or len(state.get("residuals", ())) != world_size:
-        return f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}"
-    return None
+def _own_hook_residuals(state: Any, rank: int, world_size: int) -> Tuple[Dict[Coordinate, np.ndarray], Optional[str]]:
+    """This rank's residuals by coordinate from a hook state of format 2 or 1, or why not."""
+    if not isinstance(state, dict) or state.get("format") not in (1, HOOK_STATE_FORMAT):
+        return {}, (f"the hook state has no format {HOOK_STATE_FORMAT} or 1 entry (was it saved by "
+                    "spar_comm.torch.comm_hook's state.state_dict()?)")
+    if state.get("world_size") != world_size:
+        return {}, f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}"
+    if state["format"] == 1:  # every rank's, a list by rank of {coordinate: values}
+        everyone = state.get("residuals")
+        if not isinstance(everyone, list) or len(everyone) != world_size or not isinstance(everyone[rank], dict):
+            return {}, f"the hook state's residuals are not {world_size} mappings (one a rank)"
+        entries = [(*c, v) if isinstance(c, tuple) else None for c, v in everyone[rank].items()]
+    else:
+        entries, problem = own_residuals(state.get("residuals"), rank, world_size, "the hook state")
+        if problem is not None:
+            return {}, problem
+    mine: Dict[Coordinate, np.ndarray] = {}
+    for entry in entries if isinstance(entries, (tuple, list)) else [None]:
+        try:
+            bucket, position, values = entry
+            coordinate = (int(bucket), int(position))
+            array = np.array(torch.as_tensor(values).detach().cpu().numpy()).ravel()
+            ok = coordinate not in mine and bool(np.isfinite(array).all())
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return {}, ("the hook state's residuals of this rank are not (bucket, position, finite values), "
+                        "one a parameter")
+        mine[coordinate] = array
+    return mine, None
 
 
 def _hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks annotations against its own types; these would be strings)

@@ -54,6 +54,7 @@ from ..errors import ConfigError, NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward
+from .state import agree, own_residuals, rank_key
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
 from .world import check_size, job_comm, require_job_world
 
@@ -63,7 +64,9 @@ __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_param
 #: The dtypes the allreducers take.
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 #: ``state_dict()["spar_comm"]["format"]``: bumped when the layout of the entry changes.
-STATE_FORMAT = 1
+#: 2: this rank's residuals only, under ``residuals["rank{r}"]["bucket{i}"]`` (``{"span", "values"}``
+#: tensors), for torch.distributed.checkpoint; 1 (still loaded): every rank's, a list by rank.
+STATE_FORMAT = 2
 #: A problem bit agreed over ranks at every synchronize.
 _TOO_MANY_PASSES = 1
 #: What a NaN or Inf in any rank's gradient does: a non-finite mean on every
@@ -393,41 +396,79 @@ class _DistributedOptimizer:
         return [dict(b.times) for b in self.buckets]
 
     def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state plus every rank's error-feedback
-        residual per bucket (in the gradients' own units, whatever the loss
-        scale), so any rank's copy can resume the whole job. Collective: every
-        rank calls it."""
+        """The wrapped optimizer's state plus this rank's error-feedback residual
+        per bucket (in the gradients' own units, whatever the loss scale), under
+        ``["spar_comm"]["residuals"]["rank{r}"]["bucket{i}"]`` as ``span`` and
+        ``values`` tensors, beside the world size, the bucket layout and the
+        algorithms. Local: no rank's state reaches another. Each rank loads its
+        own: ``torch.distributed.checkpoint.save``/``load`` of every rank's
+        ``state_dict()`` (its keys name the rank, so no rank's residual is
+        taken for another's), or ``torch.save`` of each rank's to a file of its
+        own."""
         self._refuse_in_flight("state_dict()")
         state = super().state_dict()
-        mine = [(span, values / self._scale) for span, values in (b.reducer.residual_state() for b in self.buckets)]
-        with waiting.watched("Allgather of the residuals for state_dict()", self._comm, patient=True):
-            everyone = self._comm.allgather(mine)  # pickled: once per checkpoint, never on the hot path
+        mine = {}
+        for i, bucket in enumerate(self.buckets):
+            span, values = bucket.reducer.residual_state()
+            mine[f"bucket{i}"] = {"span": torch.tensor([int(span[0]), int(span[1])], dtype=torch.int64),
+                                  "values": torch.from_numpy(values / self._scale)}
         state["spar_comm"] = {
             "format": STATE_FORMAT,
             "world_size": self._comm.size,
             "buckets": [b.signature() for b in self.buckets],
             "algorithms": [b.reducer.name for b in self.buckets],
-            "residuals": [[(tuple(span), torch.from_numpy(values)) for span, values in ranks] for ranks in everyone],
+            "stateful_parameters": len(state["state"]),  # the wrapped optimizer's, to check a load against
+            "residuals": {rank_key(self._comm.rank): mine},
         }
         return state
 
+    def init_state(self) -> None:
+        """Give the wrapped optimizer the state its first step would create
+        (momentum, moments) where it has none, with a step of learning rate 0
+        on zero gradients: no parameter moves, nothing is communicated and no
+        residual changes. For ``torch.distributed.checkpoint.load``, which
+        fills only the entries its template (``state_dict()``) already holds:
+        call it before taking the template from a fresh optimizer. Local."""
+        self._refuse_in_flight("init_state()")
+        if self.state:
+            return
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        grads = [p.grad for p in params]
+        rates = [group["lr"] for group in self.param_groups]
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for group in self.param_groups:
+                group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+            super().step()  # the wrapped optimizer's own step: no synchronize
+        finally:
+            for group, rate in zip(self.param_groups, rates):
+                group["lr"] = rate
+            for p, grad in zip(params, grads):
+                p.grad = grad
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` returned, in a job of the same world size
-        and bucket layout. Collective: a mismatch on any rank raises ConfigError
-        naming it on every rank, before anything is loaded."""
+        """Restore what this rank's ``state_dict()`` returned, in a job of the
+        same world size and bucket layout; a state of format 1 (every rank's
+        residuals) gives this rank its own. Collective: a state that holds
+        another rank's residuals (one rank's saved state loaded by every rank),
+        or any mismatch on any rank, raises ConfigError naming it on every
+        rank, before anything is loaded."""
         self._refuse_in_flight("load_state_dict()")
-        saved = state_dict.get("spar_comm")
-        problem = _state_problem(saved, self._comm.size, [b.signature() for b in self.buckets])
+        saved = state_dict.get("spar_comm") if isinstance(state_dict, dict) else None
+        mine, problem = _own_state(saved, self._comm.rank, self._comm.size, [b.signature() for b in self.buckets])
         if problem is None and self._auto:
             problem = _choice_problem(saved.get("algorithms"), [b.reducer.name for b in self.buckets])
-        raise_if_any(self._comm, problem)
+        if problem is None:
+            problem = _stateful_problem(saved, state_dict.get("state"))
+        agree(self._comm, problem)
         try:
             super().load_state_dict({k: v for k, v in state_dict.items() if k != "spar_comm"})
             problem = None
         except (ValueError, KeyError, TypeError) as error:
             problem = f"the wrapped optimizer refused its state: {error}"
         raise_if_any(self._comm, problem)
-        for bucket, (span, values) in zip(self.buckets, saved["residuals"][self._comm.rank]):
+        for bucket, (span, values) in zip(self.buckets, mine):
             bucket.reducer.load_residual_state(span, np.asarray(values) * self._scale)
 
     def _refuse_in_flight(self, what: str) -> None:
@@ -685,18 +726,67 @@ def _first_difference(mine: List, reference: List) -> str:
     return f"{len(mine)} tensors where the reference has {len(reference)}"
 
 
-def _state_problem(saved: Any, world_size: int, signature: List) -> Optional[str]:
-    if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
-        return ("the state_dict has no spar_comm entry of format "
-                f"{STATE_FORMAT} (was it saved by a DistributedOptimizer?)")
+def _own_state(saved: Any, rank: int, world_size: int, signature: List) -> Tuple[List, Optional[str]]:
+    """This rank's residuals, as (span, values) a bucket, from a saved
+    ``spar_comm`` entry of format 2 or 1, or why they cannot be loaded."""
+    if not isinstance(saved, dict) or saved.get("format") not in (1, STATE_FORMAT):
+        return [], ("the state_dict has no spar_comm entry of format "
+                    f"{STATE_FORMAT} or 1 (was it saved by a DistributedOptimizer?)")
     if saved.get("world_size") != world_size:
-        return f"the state_dict was saved by {saved.get('world_size')} ranks; this job has {world_size}"
+        return [], f"the state_dict was saved by {saved.get('world_size')} ranks; this job has {world_size}"
     theirs = [[tuple((n, tuple(s), d)) for n, s, d in bucket] for bucket in saved.get("buckets", [])]
     if theirs != [[tuple(e) for e in bucket] for bucket in signature]:
         if len(theirs) != len(signature):
-            return f"the state_dict has {len(theirs)} gradient buckets; this optimizer has {len(signature)}"
-        return f"the state_dict's gradient buckets differ: {_first_difference(_flat(signature), _flat(theirs))}"
-    return _residuals_problem(saved.get("residuals"), world_size, len(signature))
+            return [], f"the state_dict has {len(theirs)} gradient buckets; this optimizer has {len(signature)}"
+        return [], f"the state_dict's gradient buckets differ: {_first_difference(_flat(signature), _flat(theirs))}"
+    if saved["format"] == 1:  # every rank's residuals, a list by rank
+        everyone = saved.get("residuals")
+        if not isinstance(everyone, list) or len(everyone) != world_size:
+            return [], f"the state_dict's residuals are not {world_size} lists (one a rank)"
+        entries = everyone[rank]
+        if not isinstance(entries, list) or len(entries) != len(signature):
+            return [], f"the state_dict's residuals of this rank are not {len(signature)} (span, values)"
+    else:
+        buckets, problem = own_residuals(saved.get("residuals"), rank, world_size, "the state_dict")
+        if problem is not None:
+            return [], problem
+        if not isinstance(buckets, dict) or sorted(buckets) != sorted(f"bucket{i}" for i in range(len(signature))):
+            return [], f"the state_dict's residuals of this rank are not {len(signature)} buckets (bucket0, ...)"
+        entries = [(buckets[f"bucket{i}"].get("span"), buckets[f"bucket{i}"].get("values"))
+                   if isinstance(buckets[f"bucket{i}"], dict) else None for i in range(len(signature))]
+    return _residuals_checked(entries)
+
+
+def _residuals_checked(entries: List) -> Tuple[List, Optional[str]]:
+    """(span, values) a bucket, each span two integers and its values that many finite numbers."""
+    out = []
+    for bucket, entry in enumerate(entries):
+        try:
+            span, values = entry
+            lo, hi = (int(x) for x in (span.tolist() if isinstance(span, torch.Tensor) else span))
+            ok = isinstance(values, torch.Tensor) and values.dim() == 1 and len(values) == hi - lo
+            ok = ok and bool(torch.isfinite(values).all())
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return [], f"the state_dict's residual of this rank, bucket {bucket}, is not finite values for its span"
+        out.append(((lo, hi), values.detach().cpu().numpy()))
+    return out, None
+
+
+def _stateful_problem(saved: Dict[str, Any], state: Any) -> Optional[str]:
+    """Whether the wrapped optimizer's state lost entries on the way: a
+    ``torch.distributed.checkpoint.load`` into a fresh optimizer's
+    ``state_dict()`` fills only what that template holds, and a torch
+    optimizer holds no state before its first step."""
+    had = saved.get("stateful_parameters")
+    has = len(state) if isinstance(state, dict) else 0
+    if not isinstance(had, int) or has >= had:
+        return None
+    return (f"the wrapped optimizer's state holds {has} parameters' entries where the saved one held {had}: "
+            "torch.distributed.checkpoint.load fills only the entries of its template, and a fresh optimizer has "
+            "none before its first step; call optimizer.init_state() before taking the template "
+            "(optimizer.state_dict())")
 
 
 def _choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
@@ -712,22 +802,3 @@ def _choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
     return (f"algorithm='auto' chose {mine} for the buckets here and {saved} in the saved job (it prices the "
             "link between nodes as it times it at the start): give both jobs the same figures with "
             "SPAR_COMM_CALIBRATION, or name the algorithm the saved job chose")
-
-
-def _residuals_problem(residuals: Any, world_size: int, buckets: int) -> Optional[str]:
-    """Every rank's residuals are checked on every rank, so all reach one verdict."""
-    shaped = (isinstance(residuals, list) and len(residuals) == world_size
-              and all(isinstance(r, list) and len(r) == buckets for r in residuals))
-    if not shaped:
-        return f"the state_dict's residuals are not {world_size} lists (one a rank) of {buckets} (span, values)"
-    for rank, entries in enumerate(residuals):
-        for bucket, entry in enumerate(entries):
-            try:
-                (lo, hi), values = entry
-                ok = isinstance(values, torch.Tensor) and values.dim() == 1 and len(values) == hi - lo
-                ok = ok and bool(torch.isfinite(values).all())
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                return f"the state_dict's residual of rank {rank}, bucket {bucket} is not finite values for its span"
-    return None
