@@ -45,10 +45,10 @@ train: $(STAMP)
 test: test-serial test-mpi test-openmpi
 
 # A few minutes while working: the serial tests but those marked slow (driver
-# runs, simulated kernel sweeps), then the MPI suite at 1 and 2 ranks.
+# runs, simulated kernel sweeps), then the MPI suite at 1 and 2 ranks, its slow ones left out too.
 test-quick: $(STAMP) $(FW_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
-	$(PY) tests/run_mpi.py --mpiexec $(MPIEXEC) --launches 1:1,2:1
+	$(PY) tests/run_mpi.py --mpiexec $(MPIEXEC) --launches 1:1,2:1 -- -m "mpi and not slow"
 
 $(FW_STAMP): $(STAMP)
 	$(if $(strip $(FRAMEWORKS)),$(PY) -m pip install --quiet $(FRAMEWORKS))

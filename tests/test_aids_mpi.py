@@ -84,6 +84,7 @@ def test_the_default_run_ends_within_half_a_point_of_dense():
     assert "warm-up" not in dense.line()
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=2)
 def test_a_short_run_at_the_default_aids_keeps_up_with_dense():
     """Three epochs at density 0.05 on 2 ranks: the default aids end within a

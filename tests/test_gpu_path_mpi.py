@@ -67,7 +67,8 @@ def on_host(topology, array) -> np.ndarray:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", reproducible())
+@pytest.mark.parametrize("algorithm", [pytest.param(a, marks=() if a in ("dense", "hitopk") else pytest.mark.slow)
+                                       for a in reproducible()])  # the quick tier: one dense, one sparse
 def test_the_gpu_path_matches_the_serial_reference(gpu_topology, algorithm):
     """Result and residual to the last bit, identical on every rank, in a
     fresh output and in place (``out=grad``)."""

@@ -38,6 +38,7 @@ def test_the_cnn_learns_the_digits_on_two_ranks(run_driver):
     assert len(accuracy) == 1 and accuracy[0] > 0.3, run.stdout  # ten classes: chance is 0.1
 
 
+@pytest.mark.slow  # each case runs a driver
 @pytest.mark.parametrize("script, bad", [
     ("train_gpt.py", ["--density", "2"]),
     ("train_gpt.py", ["--tiny", "--heads", "3"]),

@@ -380,6 +380,7 @@ def test_an_overflow_on_one_rank_is_skipped_by_grad_scaler_on_every_rank(topolog
                "the residuals differ from the run without the overflow")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
 def test_the_hook_on_the_gpu_path_gives_the_cpu_paths_bits(topology):
     """The hook on ``gpu-simulator`` (CUDA tensors on a GPU machine): DDP's

@@ -136,6 +136,7 @@ def test_a_resume_on_another_world_keeps_what_the_residuals_hold_in_all(tmp_path
             assert now[name].tobytes() == kept[name].tobytes(), name
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_world_still_checks_the_settings(tmp_path):
     ck = tmp_path / "ck.h5"
     common = [*FAST, "--steps", "4", "--trace", "", "--checkpoint", str(ck)]
