@@ -409,7 +409,7 @@ class _DistributedOptimizer:
         state = super().state_dict()
         mine = {}
         for i, bucket in enumerate(self.buckets):
-            span, values = bucket.reducer.residual_state()
+            span, values = bucket.reducer.residual_state(copy=False)  # the division below makes the copy
             mine[f"bucket{i}"] = {"span": torch.tensor([int(span[0]), int(span[1])], dtype=torch.int64),
                                   "values": torch.from_numpy(values / self._scale)}
         state["spar_comm"] = {
