@@ -27,32 +27,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import spar_comm.torch as sct
 from spar_comm import ConfigError
-from torchrun_helpers import report
+from torchrun_helpers import Chosen, flat, grads_of, report
 
-SHAPES = [(7, 5), (40,), (30,), (4, 4), (11,)]
 CAP_MB = 48 * 8 / 2**20  # about 48 float64 values a bucket: several buckets
-
-
-class Chosen(torch.nn.Module):
-    """loss = sum(p * g): the gradient of each parameter is the g handed in."""
-
-    def __init__(self):
-        super().__init__()
-        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in SHAPES])
-
-    def forward(self, grads):
-        return sum((p * g.reshape(p.shape)).sum() for p, g in zip(self.ps, grads))
-
-
-def grads_of(step: int, world: int) -> list:
-    """grads[rank][parameter], known to every rank: multiples of 2**-6, exact to sum, different on each rank."""
-    rng = np.random.default_rng([9, step])
-    return [[torch.from_numpy(rng.integers(-(2**12), 2**12, int(np.prod(s))) * 2.0**-6) for s in SHAPES]
-            for _ in range(world)]
-
-
-def flat(tensors) -> np.ndarray:
-    return torch.cat([t.detach().flatten() for t in tensors]).numpy().copy()
 
 
 def digest(arrays) -> str:
