@@ -274,15 +274,20 @@ def make_run(topology, seed=0):
     return net, opt
 
 
-@pytest.mark.mpi(min_size=1)
-def test_state_dict_round_trip_resumes_to_the_same_bits(topology):
+def straight_and_saved(topology) -> tuple:
+    """The parameters of a run of 6 steps, and a second run's state after 3
+    (its model's, its optimizer's, and the optimizer itself)."""
     net, opt = make_run(topology)
     train_steps(net, opt, range(6))
     straight = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy().copy()
-
     net, opt = make_run(topology)
     train_steps(net, opt, range(3))
-    saved_model, saved_opt = net.state_dict(), opt.state_dict()
+    return straight, net.state_dict(), opt.state_dict(), opt
+
+
+@pytest.mark.mpi(min_size=1)
+def test_state_dict_round_trip_resumes_to_the_same_bits(topology):
+    straight, saved_model, saved_opt, _ = straight_and_saved(topology)
     assert_all(COMM, list(saved_opt["spar_comm"]["residuals"]) == [f"rank{COMM.rank}"], "not this rank's residuals only")
     net, opt = make_run(topology, seed=1)  # other weights and empty state, then loaded
     net.load_state_dict(saved_model)
@@ -337,13 +342,7 @@ def test_a_state_of_format_1_with_every_ranks_residuals_still_loads(topology):
     """The previous layout (every rank's residuals, a list by rank), as a job
     saved it: each rank takes its own entry and the run resumes to the bits
     of the run that never stopped."""
-    net, opt = make_run(topology)
-    train_steps(net, opt, range(6))
-    straight = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy().copy()
-
-    net, opt = make_run(topology)
-    train_steps(net, opt, range(3))
-    saved_model, saved_opt = net.state_dict(), opt.state_dict()
+    straight, saved_model, saved_opt, opt = straight_and_saved(topology)
     entry = saved_opt["spar_comm"]
     mine = entry.pop("residuals")[f"rank{COMM.rank}"]
     mine = [(tuple(mine[f"bucket{i}"]["span"].tolist()), mine[f"bucket{i}"]["values"]) for i in range(len(mine))]
