@@ -24,7 +24,7 @@ import pytest
 from mpi4py import MPI
 
 from mpi_helpers import layouts
-from shm_cleanup import mpi_segments, remove_orphaned_segments
+from shm_cleanup import mpi_segments, remove_mapped_segments, remove_orphaned_segments
 from spar_comm import Topology, emucluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,9 +39,12 @@ def pytest_configure(config):
 
 def pytest_sessionfinish(session, exitstatus):
     """Once more at the end of a serial run: MPI's files that a job's last
-    processes released only after their test had ended."""
+    processes released only after their test had ended, and this process's
+    own, which Open MPI makes for a singleton and leaves at its exit (no
+    other process ever maps them; the mapping outlives the name)."""
     if MPI.COMM_WORLD.size == 1:
         remove_orphaned_segments(session.config.stash[SEGMENTS_AT_START])
+        remove_mapped_segments()
 
 
 @contextlib.contextmanager

@@ -13,3 +13,4 @@ _spec.loader.exec_module(_segments)
 mpi_segments = _segments.mpi_segments
 orphaned_segments = _segments.orphaned_segments
 remove_orphaned_segments = _segments.remove_orphaned_segments
+remove_mapped_segments = _segments.remove_mapped_segments
