@@ -17,10 +17,11 @@ import argparse
 import statistics
 import sys
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from spar_comm.bench.timing import cuda_event_ms
 from spar_comm.cli import comma_list, positive_int
 from spar_comm.files import write_json
 
@@ -42,19 +43,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--repeat", type=positive_int, default=10, help="timed calls (default: 10)")
     parser.add_argument("--out", metavar="FILE.json", help="write the figures here")
     return parser.parse_args(argv)
-
-
-def event_times(cupy: Any, run: Callable[[], object], repeat: int) -> List[float]:
-    """Milliseconds between CUDA events around each of ``repeat`` runs."""
-    times = []
-    for _ in range(repeat):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return times
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -84,14 +72,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     for dtype in args.dtype:
         for n in args.sizes:
             x = cupy.asarray(rng.standard_normal(n, dtype=np.float32).astype(dtype))
-            read = event_times(cupy, x.max, args.repeat)
+            read = cuda_event_ms(cupy, x.max, args.repeat)
             for density in args.densities:
                 k = max(1, round(density * n))
                 for method in args.methods:
                     selector = device_select.METHODS[method]()
                     for _ in range(args.warmup):
                         selector(x, k)
-                    whole = event_times(cupy, lambda: selector(x, k), args.repeat)
+                    whole = cuda_event_ms(cupy, lambda: selector(x, k), args.repeat)
                     per_kernel: Dict[str, List[float]] = defaultdict(list)
                     kernels.launch = timed_launch
                     try:

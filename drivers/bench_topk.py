@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from spar_comm.bench.timing import cuda_event_ms
 from spar_comm.cli import comma_list, positive_int
 from spar_comm.files import write_json
 from spar_comm.kernels import SELECTORS, make_selector
@@ -288,14 +289,7 @@ class GpuBench(SimulatedGpuBench):
         """(median, min) seconds between CUDA events around each run, after one warm-up."""
         cupy = self.cupy
         run()
-        times = []
-        for _ in range(repeat):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+        times = [ms / 1e3 for ms in cuda_event_ms(cupy, run, repeat)]
         return float(np.median(times)), float(min(times))
 
     def describe(self) -> Dict[str, object]:

@@ -4,7 +4,7 @@ then the median over rounds, which a spell of load on a shared machine
 hardly moves."""
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Callable, List
 
 import numpy as np
 from mpi4py import MPI
@@ -31,3 +31,17 @@ def rotated(count: int, start: int) -> List[int]:
     ``start``'s order of ``count`` interleaved modes, so that no mode always
     runs right after the same one."""
     return [(start + j) % count for j in range(count)]
+
+
+def cuda_event_ms(cupy: Any, run: Callable[[], object], repeat: int) -> List[float]:
+    """Milliseconds between CUDA events recorded around each of ``repeat``
+    calls of ``run`` on CuPy's current stream (the device's time, not the host's)."""
+    times = []
+    for _ in range(repeat):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return times
