@@ -163,7 +163,9 @@ def _write(tmp: str, state: TrainState, token: str, written: List[tuple]) -> Non
 
 #: The groups of per-parameter datasets, in the order Saved holds them.
 GROUPS = ("params", "optimizer/velocity")
-#: Settings a run may change when it resumes on another world: the layout of nodes.
+#: The option that lays the ranks out in nodes: what must match is the layout
+#: it makes (``node_sizes``, saved since format 3), not the option's value
+#: (--ranks-per-node 1 on hosts of one rank each lays out what no option does).
 LAYOUT = frozenset({"ranks_per_node"})
 
 
@@ -301,9 +303,11 @@ def load_checkpoint(saved: Saved, path: str, state: TrainState) -> None:
     span = tuple(span)
     with waiting.watched("Allgather of the residuals' spans", group.comm):
         spans = group.comm.allgather(span)
-    same_world = saved.world_size == group.size and tuple(spans) == saved.parts.spans
+    layout_known = saved.node_sizes is not None  # format 3: the nodes themselves, not the option that made them
+    same_world = (saved.world_size == group.size and tuple(spans) == saved.parts.spans
+                  and (not layout_known or list(saved.node_sizes) == list(group.topology.node_sizes)))
     changed = config.differences(saved.config)
-    if not same_world:
+    if layout_known or not same_world:
         changed = {key: value for key, value in changed.items() if key not in LAYOUT}
     if changed:
         detail = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items()))
