@@ -65,16 +65,20 @@ def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extr
                 per_rank=per_rank, seconds=time.monotonic() - start)
 
 
-def kill_marked(marker: str) -> None:
-    """SIGKILL every process whose environment carries this launch's marker."""
+def kill_marked(marker: str) -> int:
+    """SIGKILL every process whose environment carries this launch's marker;
+    returns how many there were (what the launch left behind)."""
     needle = f"SPAR_COMM_TEST_LAUNCH={marker}".encode()
+    killed = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as environ:
                 if needle in environ.read().split(b"\0"):
                     os.kill(int(pid), signal.SIGKILL)
+                    killed += 1
         except OSError:
             continue
+    return killed
 
 
 def exec_with_rank_log(folder: str, command: list) -> None:

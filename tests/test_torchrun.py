@@ -17,6 +17,7 @@ import pytest
 
 from conftest import ROOT
 from run_mpi import kill_marked
+from spar_comm import waiting
 
 torch = pytest.importorskip("torch")
 SCRIPT = ROOT / "tests" / "torchrun_worlds.py"
@@ -144,3 +145,34 @@ def test_the_state_round_trips_through_torch_distributed_checkpoint_rank_by_rank
     wrapped optimizer's momentum is refused."""
     lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_state.py", limit=150)
     assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", ["hook", "optimizer"])
+def test_a_peer_that_stops_answering_ends_a_torchrun_job_at_the_deadline(way):
+    """tests/torchrun_stall.py: rank 0 hangs at step 3; rank 1 warns half-way,
+    then ends by its deadline naming the collective and its own rank, with
+    the deadline's exit status; torchrun ends the hung rank, and nothing is
+    left behind."""
+    timeout = 4
+    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(ROOT / "tests" / "torchrun_stall.py"), "--way", way]
+    env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1", SPAR_COMM_TIMEOUT=str(timeout))
+    env.pop("WORLD_SIZE", None)
+    try:
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+        ended = time.time()
+    finally:
+        left = kill_marked(marker)
+    hung = [float(line.split()[-1]) for line in run.stdout.splitlines() if line.startswith("rank 0: hangs at ")]
+    assert run.returncode != 0 and len(hung) == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "finished" not in run.stdout
+    assert f"exitcode  : {waiting.EXIT_TIMEOUT} " in run.stderr, run.stderr[-3000:]
+    assert "[rank 1] spar_comm: still waiting, half-way to the deadline: " in run.stderr, run.stderr[-3000:]
+    expected = f"[rank 1] spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT={timeout}): "
+    line = next((text for text in run.stderr.splitlines() if text.startswith(expected)), "")
+    assert " over " in line and f"ending the job with status {waiting.EXIT_TIMEOUT}" in line, run.stderr[-3000:]
+    print(f"{way}: {line}; torchrun ended {ended - hung[0]:.1f} s after rank 0 hung")
+    assert ended - hung[0] < timeout + 8, f"the job ended {ended - hung[0]:.1f} s after rank 0 hung"
+    assert left == 0, f"{left} processes left"

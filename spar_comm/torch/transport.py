@@ -57,6 +57,11 @@ def _bytes(buf: Any) -> torch.Tensor:
     return _tensor(buf).view(torch.uint8)
 
 
+#: Blocks of equal size from every rank, end to end: torch 2.13 renamed the
+#: call and warns at the old name, which torch 2.11 alone has.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 #: mpi4py's nonblocking collectives, by the blocking call that stands in for each.
 _NONBLOCKING = {"I" + name.lower(): name for name in ("Allreduce", "Reduce_scatter", "Allgather", "Allgatherv",
                                                       "Alltoall", "Bcast", "Reduce", "Barrier")}
@@ -162,7 +167,7 @@ class TorchComm:
         dist.reduce_scatter(_tensor(recv), parts, op=_OPS[op.py2f()], group=self.group)
 
     def Allgather(self, send: Any, recv: Any) -> None:  # noqa: N802
-        dist.all_gather_into_tensor(_bytes(recv), _bytes(send), group=self.group)
+        _all_gather(_bytes(recv), _bytes(send), group=self.group)
 
     def Allgatherv(self, send: Any, spec: Any) -> None:  # noqa: N802
         """``spec``: ``[recv, (counts, displacements)]`` in elements of recv's dtype."""
@@ -173,7 +178,7 @@ class TorchComm:
         mine = _bytes(send)
         padded[: mine.numel()] = mine
         gathered = torch.empty(longest * self.size, dtype=torch.uint8)
-        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        _all_gather(gathered, padded, group=self.group)
         out = _bytes(recv)
         for r, (count, start) in enumerate(zip(counts, displacements)):
             out[start * width : (start + count) * width] = gathered[r * longest : r * longest + count * width]
