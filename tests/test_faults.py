@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import h5py
 import numpy as np
@@ -102,6 +102,54 @@ def saved_step(checkpoint: Path) -> int:
         return -1
 
 
+def resumes_to_the_same_bits(tmp_path: Path, ckpt: Path, args: List[str], ranks_per_node: int = 1) -> int:
+    """Assert that a fault's last checkpoint, resumed on 2 ranks in the
+    faulted job's layout and run 10 steps on, holds the bits of a run never
+    interrupted, stopped at the same step. Returns the step the checkpoint held."""
+    step = saved_step(ckpt)
+    assert step >= 10, f"the fault left a checkpoint of step {step}"
+    common = [*_without(args, "--checkpoint", "--trace", "--ranks-per-node"), "--ranks-per-node",
+              str(ranks_per_node), "--trace", "", "--stop-after", str(step + 10)]
+    resumed = run_train(2, [*common, "--checkpoint", str(ckpt), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    fresh = tmp_path / "uninterrupted.h5"
+    whole = run_train(2, [*common, "--checkpoint", str(fresh)])
+    assert whole.returncode == 0, whole.stderr
+    a, b = datasets(fresh), datasets(ckpt)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    return step
+
+
+def _without(args: List[str], *options: str) -> List[str]:
+    """``args`` less each of ``options`` and its value."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+def report(fault: str, seconds: Optional[float], left: int, trace: Path, step: int) -> None:
+    """One row of the faults' table (docs/results/faults.md), seen with
+    ``pytest -s``: the seconds from the fault until the job's last process was
+    gone (None: the run itself found the fault, and ended with an error), the
+    processes left, the steps the trace saw past the checkpoint (which a
+    resume repeats; at least that many, since the trace is written every few
+    steps and not at all by a rank killed), and the checkpoint's step,
+    resumed to the same bits."""
+    with h5py.File(trace, "r", libver="latest", swmr=True) as f:
+        lost = int(f["step"][-1]) - step
+    ended = "an error at once" if seconds is None else f"{seconds:.1f} s"
+    print(f"\n| {fault} | {ended} | {left} | {'at least ' if lost > 0 else ''}{max(lost, 0)} | "
+          f"yes, from step {step} |")
+
+
 def running(tmp_path: Path, ranks: int = 2, timeout: float = TIMEOUT, ranks_per_node: int = 1) -> tuple:
     """A long run with a periodic checkpoint, once its trace holds some steps: (job, checkpoint, its arguments).
     Nodes of 2 ranks share memory windows: MPI's files in /dev/shm."""
@@ -132,28 +180,16 @@ def test_a_stopped_rank_ends_the_job_at_the_deadline_and_it_resumes_to_the_same_
     assert status == waiting.EXIT_TIMEOUT, err
     assert "[rank 0] spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT=4)" in err, err
     assert "[rank 0] spar_comm: still waiting, half-way to the deadline" in err, err
-    print(f"SIGSTOP of a rank: the job ended {seconds:.1f} s after the fault")
     assert seconds < TIMEOUT + 4, f"the job ended {seconds:.1f} s after the fault"
     job.assert_nothing_left()
-
-    step = saved_step(ckpt)
-    assert step >= 10
-    until = ["--stop-after", str(step + 10)]
-    resumed = run_train(2, [*args, "--resume", *until])
-    assert resumed.returncode == 0, resumed.stderr
-    fresh = tmp_path / "fresh.h5"
-    whole = run_train(2, [*args[:args.index("--checkpoint")], "--checkpoint", str(fresh), "--trace", "", *until])
-    assert whole.returncode == 0, whole.stderr
-    a, b = datasets(fresh), datasets(ckpt)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert np.array_equal(a[name], b[name]), name
+    step = resumes_to_the_same_bits(tmp_path, ckpt, args)
+    report("one rank stopped (SIGSTOP)", seconds, len(job.processes()), tmp_path / "t.h5", step)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_ends_a_rank_stuck_in_a_collective(tmp_path, sig):
-    job, _, _ = running(tmp_path, 2, 60, ranks_per_node=2)
+    job, ckpt, args = running(tmp_path, 2, 60, ranks_per_node=2)
     try:
         os.kill(job.rank(1), signal.SIGSTOP)
         time.sleep(0.5)  # rank 0 is now stuck waiting for rank 1
@@ -166,19 +202,22 @@ def test_a_signal_ends_a_rank_stuck_in_a_collective(tmp_path, sig):
     if sig == signal.SIGTERM:  # handled by the clean stop, which a stuck rank never reaches: the watchdog ends it
         assert status == 128 + sig, err
         assert "[rank 0] spar_comm: SIGTERM while stuck:" in err, err
-    print(f"{sig.name} to a stuck rank: the job ended {seconds:.1f} s after the signal, status {status}")
     assert seconds < waiting.SIGNAL_GRACE_S + 3, f"the job ended {seconds:.1f} s after the signal"
     job.assert_nothing_left()
+    step = resumes_to_the_same_bits(tmp_path, ckpt, args, ranks_per_node=2)
+    report(f"{sig.name} to a rank stuck in a collective", seconds, len(job.processes()), tmp_path / "t.h5", step)
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 160 KiB file system: room for one checkpoint of the FAST model, not for a second beside it."""
+def small_disk(tmp_path, request):
+    """A small file system, by default 160 KiB: room for one checkpoint of the
+    FAST model, not for a second beside it."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     disk = tmp_path / "disk"
     disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(disk)], check=True)
+    size = getattr(request, "param", "160k")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], check=True)
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=True)
 
@@ -198,19 +237,23 @@ def test_a_full_disk_under_the_checkpoint_is_an_error_on_every_rank_and_the_last
     kept = tmp_path / "kept.h5"  # resumed where there is room for the next checkpoint
     shutil.copy(ckpt, kept)
     shutil.copytree(f"{ckpt}.parts", f"{kept}.parts")
-    resumed = run_train(2, [*args[:args.index("--checkpoint")], "--checkpoint", str(kept), "--resume",
-                            "--stop-after", "11", "--trace", ""])
-    assert resumed.returncode == 0, resumed.stderr  # the checkpoint left is whole
+    step = resumes_to_the_same_bits(tmp_path, kept, args)  # the checkpoint left is whole
+    report("a full disk under the checkpoint", None, 0, tmp_path / "t.h5", step)
 
 
 @pytest.mark.slow
-def test_a_full_disk_under_the_trace_is_an_error_on_every_rank(small_disk):
-    trace = small_disk / "t.h5"
-    result = run_train(2, [*FAST, "--steps", "3000", "--trace-every", "50", "--ranks-per-node", "1",
-                           "--trace", str(trace)])
+@pytest.mark.parametrize("small_disk", ["1200k"], indirect=True)
+def test_a_full_disk_under_the_trace_is_an_error_on_every_rank_and_the_checkpoint_stays(tmp_path, small_disk):
+    """The trace keeps 1 MiB spare: on 1200 KiB it is full after a few hundred steps."""
+    trace, ckpt = small_disk / "t.h5", tmp_path / "c.h5"
+    args = [*FAST, "--steps", "5000", "--trace-every", "1", "--ranks-per-node", "1", "--trace", str(trace),
+            "--checkpoint", str(ckpt), "--checkpoint-every", "100"]
+    result = run_train(2, args)
     assert result.returncode == 1, result.stderr
     assert result.stderr.count(f"train.py: WriteError: rank 0: cannot write the trace {trace}: ") == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+    step = resumes_to_the_same_bits(tmp_path, ckpt, args)
+    report("a full disk under the trace", None, 0, trace, step)
 
 
 # -- on the emulated cluster: 2 hosts of 1 rank, TCP between them ------------------------
@@ -229,11 +272,11 @@ def emulated_run(tmp_path: Path) -> tuple:
     """train.py on the emulated hosts through ``emucluster.py run``, just
     after it saved a periodic checkpoint past 10 steps, so that a fault now
     meets the ranks in training, not in the patient wait while rank 0 saves
-    the next one: (launcher, checkpoint)."""
+    the next one: (launcher, checkpoint, train.py's arguments)."""
     ckpt, trace = tmp_path / "c.h5", tmp_path / "t.h5"
+    args = [*FAST, "--epochs", "10000", "--checkpoint", str(ckpt), "--checkpoint-period", "1", "--trace", str(trace)]
     command = [sys.executable, "drivers/emucluster.py", "--prefix", EMU_PREFIX, "run", "--", sys.executable,
-               "drivers/train.py", *FAST, "--epochs", "10000", "--checkpoint", str(ckpt), "--checkpoint-period", "1",
-               "--trace", str(trace)]
+               "drivers/train.py", *args]
     env = dict(os.environ, **{waiting.ENV_TIMEOUT: str(TIMEOUT)})
     launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
@@ -245,7 +288,7 @@ def emulated_run(tmp_path: Path) -> tuple:
     while saved_step(ckpt) == last:  # the checkpoint period is 1 s
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
         time.sleep(0.02)
-    return launcher, ckpt
+    return launcher, ckpt, args
 
 
 def run_processes(launcher: subprocess.Popen) -> List[int]:
@@ -284,11 +327,10 @@ def ended(launcher: subprocess.Popen, since: float) -> tuple:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
 def test_the_launcher_killed_leaves_no_process(tmp_path, hosts, sig):
     segments = mpi_segments()
-    launcher, _ = emulated_run(tmp_path)
+    launcher, ckpt, args = emulated_run(tmp_path)
     assert len(run_processes(launcher)) == 5  # mpiexec, a proxy per host, a rank per host
     launcher.send_signal(sig)
     status, out, err, seconds = ended(launcher, time.monotonic())
-    print(f"{sig.name} to the launcher: the job's last process ended {seconds:.1f} s later, status {status}")
     assert seconds < 5, f"the job's last process ended {seconds:.1f} s after the launcher was signalled"
     assert run_processes(launcher) == []
     if sig == signal.SIGTERM:  # passed on to the ranks: the clean stop, with a checkpoint
@@ -296,13 +338,15 @@ def test_the_launcher_killed_leaves_no_process(tmp_path, hosts, sig):
         assert orphaned_segments(segments) == set()
     else:  # mpiexec ends the job as its launcher dies; MPI's own files are the harness's to remove
         assert status == -signal.SIGKILL
+    step = resumes_to_the_same_bits(tmp_path, ckpt, args)
+    report(f"the launcher killed ({sig.name})", seconds, len(run_processes(launcher)), tmp_path / "t.h5", step)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["down", "crawl"])
 def test_a_link_taken_down_or_slowed_to_a_crawl_ends_the_job_at_the_deadline(tmp_path, hosts, fault):
     segments = mpi_segments()
-    launcher, ckpt = emulated_run(tmp_path)
+    launcher, ckpt, args = emulated_run(tmp_path)
     if fault == "down":
         subprocess.run(["ip", "link", "set", hosts.veth(1), "down"], check=True)
     else:  # 1 kbit/s: a message of a step takes longer than the deadline
@@ -310,10 +354,11 @@ def test_a_link_taken_down_or_slowed_to_a_crawl_ends_the_job_at_the_deadline(tmp
     status, _, err, seconds = ended(launcher, time.monotonic())
     assert status == waiting.EXIT_TIMEOUT, err
     assert "spar_comm: no answer past the deadline (SPAR_COMM_TIMEOUT=4)" in err, err
-    print(f"a link {fault}: the job's last process ended {seconds:.1f} s later, status {status}")
     # The ranks end by the deadline; the launcher's own teardown then crosses the
     # slowed link (seen: 4.9 to 14 s after the fault on a loaded 2-core machine).
     assert seconds < TIMEOUT + 15, f"the job's last process ended {seconds:.1f} s after the link went down"
     assert run_processes(launcher) == []
     assert orphaned_segments(segments) == set()
-    assert saved_step(ckpt) >= 10  # the last periodic checkpoint, whole
+    step = resumes_to_the_same_bits(tmp_path, ckpt, args)  # the last periodic checkpoint, whole
+    what = "taken down" if fault == "down" else "slowed to 1 kbit/s"
+    report(f"a host's link {what}", seconds, len(run_processes(launcher)), tmp_path / "t.h5", step)
