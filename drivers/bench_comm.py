@@ -16,6 +16,9 @@ also in reads (over one read of the gradient, ``grad.max()``, by every rank
 at once, timed in the same rounds: the unit a memory-bound call is counted
 in), selection and communication time, and the bytes each rank sends inside and
 between nodes (ring model, see spar_comm.collectives.channel).
+``--deadlines both`` measures each allreducer with its waits' deadlines
+(SPAR_COMM_TIMEOUT) and without, alternately in the same rounds: what a
+deadline costs a healthy call.
 ``--device gpu`` puts each rank's gradient on its GPU as a CuPy array (the
 bytes copied through host buffers, when MPI is not CUDA-aware, are in the
 JSON as ``bytes_staged``); ``--device gpu-simulator`` runs that path on the
@@ -40,7 +43,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
-from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
+from spar_comm import ALGORITHMS, Topology, make_allreducer, waiting  # noqa: E402
 from spar_comm.bench import record, timing  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density  # noqa: E402
@@ -85,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shared-buffer", action=argparse.BooleanOptionalAction, default=True,
                         help="assemble the gradient in each allreducer's .buffer (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadlines", choices=["on", "off", "both"], default="on",
+                        help="the waits' deadlines (SPAR_COMM_TIMEOUT): kept, removed, or both alternately, "
+                             "each allreducer measured once each way a round (default: %(default)s)")
     parser.add_argument("--link-counters", metavar="IFACE",
                         help="also count the bytes every host's IFACE sends in one call of each algorithm, "
                              "from /sys/class/net/IFACE/statistics (an emulated cluster's emu0)")
@@ -108,20 +114,28 @@ def options_of(algorithm: str, args: argparse.Namespace) -> dict:
     return {setting: getattr(args, setting) for setting in ("values", "indices") if algorithm in CODECS[setting]}
 
 
-def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool) -> tuple:
-    """For each reducer: the median of the slowest rank's time per call, of the
+def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool, deadlines: list) -> tuple:
+    """For each reducer and each of ``deadlines`` (the waits' deadlines on or
+    off): the median of the slowest rank's time per call, of the
     most CPU time a rank used in it, and of the call's figures; and the same
     two medians of one read of the gradient (``grad.max()``) by every rank at
     once, measured in the same rounds, the unit ``reads`` are counted in.
-    Calls go round-robin over the reducers and the read. ``grad`` is an array
-    of the topology's memory (NumPy, or CuPy on a GPU); a call returns once
-    its result is written, the device's stream included."""
+    Calls go round-robin over the reducers, the deadlines and the read.
+    ``grad`` is an array of the topology's memory (NumPy, or CuPy on a GPU); a
+    call returns once its result is written, the device's stream included."""
     world = reducers[0].topology.world
     out = reducers[0].xp.empty_like(grad)  # a training loop reduces into a buffer it keeps
     sends = [reducer.buffer if shared_buffer else grad for reducer in reducers]
     for send in sends:
         send[...] = grad
-    calls = [functools.partial(reducer.allreduce, send, out=out) for reducer, send in zip(reducers, sends)]
+
+    def reduce(reducer, send, on: bool) -> None:
+        with waiting.deadlines(on):
+            reducer.allreduce(send, out=out)
+
+    modes = [(reducer, send, on) for reducer, send in zip(reducers, sends) for on in deadlines]
+    reducers = [reducer for reducer, _, _ in modes]
+    calls = [functools.partial(reduce, reducer, send, on) for reducer, send, on in modes]
     calls.append(lambda: float(grad.max()))  # one read of the vector (float: the device's too)
     for _ in range(warmup):
         for call in calls:
@@ -241,22 +255,26 @@ def main() -> int:
         reducers = [make_allreducer(a, topology, size, args.dtype, args.density, args.selector,
                                     shared_buffer=args.shared_buffer,
                                     **options_of(a, args)) for a in args.algorithms]
-        measured, read = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
+        deadlines = {"on": [True], "off": [False], "both": [True, False]}[args.deadlines]
+        measured, read = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer, deadlines)
+        modes = [(algorithm, on) for algorithm in args.algorithms for on in deadlines]
         if args.link_counters:
             sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
-            for figures, count in zip(measured, link_bytes(reducers, sends, topology.memory.xp.empty_like(grad), counter)):
+            counts = link_bytes(reducers, sends, topology.memory.xp.empty_like(grad), counter)
+            for figures, count in zip(measured, [count for count in counts for _ in deadlines]):
                 figures["link_bytes"] = count
         for reducer in reducers:
             reducer.free()
-        times = {algorithm: figures["time_median"] for algorithm, figures in zip(args.algorithms, measured)}
-        dense_time = times.get("dense")
-        for algorithm, figures in zip(args.algorithms, measured):
+        times = {mode: figures["time_median"] for mode, figures in zip(modes, measured)}
+        for (algorithm, on), figures in zip(modes, measured):
             row = {"algorithm": algorithm, "size": size, "nbytes": grad.nbytes, "read_median": read["time_median"],
-                   **figures}
+                   "deadlines": on, **figures}
             results.append(row)
             if lead:
+                dense_time = times.get(("dense", on))
                 ratio = f"{dense_time / row['time_median']:7.1f}x" if dense_time else f"{'':>8}"
-                print(f"{size:>10} {algorithm:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
+                name = algorithm if len(deadlines) == 1 else f"{algorithm} {'on' if on else 'off'}"
+                print(f"{size:>10} {name:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
                       f"{row['cpu_median'] * 1e3:8.3f} {row['time_reads']:6.2f} {row['cpu_reads']:6.2f} "
                       f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
                       f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)

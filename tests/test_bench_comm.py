@@ -33,6 +33,22 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
 
 
 @pytest.mark.slow
+def test_deadlines_both_measures_each_allreducer_each_way_in_the_same_rounds(run_driver, tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", "4099", "--algorithms", "dense,hitopk",
+                        "--selector", "exact", "--deadlines", "both", "--repeat", 3, "--warmup", 1, "--out", out,
+                        ranks=2)
+    assert result.returncode == 0, result.stderr
+    rows = {(row["algorithm"], row["deadlines"]): row for row in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(a, on) for a in ("dense", "hitopk") for on in (True, False)}
+    for algorithm in ("dense", "hitopk"):  # one allreducer, the same messages either way
+        assert rows[algorithm, True]["bytes_inter"] == rows[algorithm, False]["bytes_inter"] > 0
+        assert rows[algorithm, True]["times"] != rows[algorithm, False]["times"]
+        for way in ("on", "off"):
+            assert len(re.findall(rf"^\s*4099 {algorithm} {way} ", result.stdout, re.M)) == 1, result.stdout
+
+
+@pytest.mark.slow
 def test_a_value_codec_narrows_the_messages_of_the_algorithms_that_take_one(run_driver, tmp_path):
     out = tmp_path / "bench.json"
     result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", "4099", "--density", 0.01,

@@ -223,3 +223,14 @@ def test_sleeping_sets_the_way_inside_its_block_only(monkeypatch):
         with waiting.sleeping(False):
             raise RuntimeError("a failing step")
     assert waiting.SLEEP is True  # restored after an error too
+
+
+def test_deadlines_off_inside_its_block_only(endings):
+    """A wait past the deadline inside ``deadlines(False)`` ends nothing; the
+    same wait after the block does."""
+    with waiting.deadlines(False):
+        with waiting.watched("Allgather", Named(0, 2)):
+            time.sleep(0.6 + 3 * waiting.TICK)
+    assert endings == [] and waiting.TIMEOUT == 0.6
+    with waiting.watched("Allgather", Named(0, 2)):
+        assert endings.done.wait(5), "the deadline passed unnoticed after the block"
