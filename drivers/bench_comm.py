@@ -3,8 +3,9 @@
 
 Each call is timed on every rank and the slowest rank's time counts; the
 figure reported is the median over --repeat calls after --warmup calls. The
-calls go round-robin over the algorithms (one call of each, then the next
-round), so a slow spell of a shared machine hits every algorithm alike. Each
+calls go in rounds (one call of each algorithm, in a new order each round),
+so a slow spell of a shared machine hits every algorithm alike, and no
+algorithm always runs right after the same one. Each
 call reduces into one output buffer kept from call to call, as a training
 loop does (``allreduce(grad, out=buffer)``). The gradient is assembled in
 each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``,
@@ -120,7 +121,9 @@ def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool,
     most CPU time a rank used in it, and of the call's figures; and the same
     two medians of one read of the gradient (``grad.max()``) by every rank at
     once, measured in the same rounds, the unit ``reads`` are counted in.
-    Calls go round-robin over the reducers, the deadlines and the read.
+    Each round makes one call of each reducer and deadline and one read, in
+    an order of its own (the same on every rank), so that no call always
+    follows the same one.
     ``grad`` is an array of the topology's memory (NumPy, or CuPy on a GPU); a
     call returns once its result is written, the device's stream included."""
     world = reducers[0].topology.world
@@ -142,7 +145,8 @@ def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool,
             call()
     rows = np.zeros((len(calls), repeat, 2 + len(FIGURES)))
     for i in range(repeat):
-        for j, call in enumerate(calls):
+        for j in np.random.default_rng(i).permutation(len(calls)):  # the same order on every rank
+            call = calls[j]
             world.Barrier()
             start, cpu = MPI.Wtime(), time.process_time()
             call()
