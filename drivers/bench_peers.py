@@ -19,7 +19,14 @@ warm-up.
   spar_hitopk_int8   hitopk with int8 values and automatic indices
   spar_hitopk_spin   hitopk waiting in MPI_Wait (SPAR_COMM_WAIT=spin) rather than asleep
   spar_hook          DDP + spar_comm.torch.comm_hook (hitopk)
+  spar_<mode>_torch  spar_dense, spar_topka, spar_hitopk, spar_auto and spar_hook
+                     over torch.distributed's gloo group (the torch transport)
+                     instead of MPI, on the same nodes
   no_comm            the same step with no communication: the floor
+
+Under torchrun (no MPI launch) the modes over torch and no_comm run:
+
+    torchrun --nproc-per-node 2 drivers/bench_peers.py mlp --ranks-per-node 1
 
 A mode that fails is reported as failed, with each rank's error, on every
 rank alike. torch's modes run in processes of their own (forked from each
@@ -69,7 +76,7 @@ import itertools  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 from multiprocessing.connection import Connection  # noqa: E402
-from typing import Callable, List, Optional, Tuple  # noqa: E402
+from typing import Any, Callable, List, Optional, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -81,8 +88,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import spar_comm  # noqa: E402
 import spar_comm.torch as sct  # noqa: E402
 from spar_comm import Topology, retain_freed_memory  # noqa: E402
-from spar_comm.bench.peers import (MODES, PEERS, PHASES, SPAR, SPINNING, Runner, Workload, classify,  # noqa: E402
-                                   held_out, learning_curve, phases_of)
+from spar_comm.bench.peers import (MODES, OVER_TORCH, PEERS, PHASES, SPAR, SPINNING, UNDER_TORCHRUN,  # noqa: E402
+                                   Runner, Workload, classify, held_out, learning_curve, over_mpi, phases_of)
 from spar_comm.bench.record import meta  # noqa: E402
 from spar_comm.bench.timing import rotated, slowest  # noqa: E402
 from spar_comm.costmodel.peers import MIN_COMPRESSION_RATE, ddp_bytes  # noqa: E402
@@ -92,6 +99,7 @@ from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.files import unwritable, write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E402
+from spar_comm.torch.transport import TorchComm  # noqa: E402
 from spar_comm.workloads import gpt as gpt_workload, resnet  # noqa: E402
 from spar_comm.workloads.mlp import mlp  # noqa: E402
 
@@ -103,7 +111,7 @@ STARTUP_SECONDS = 120
 def parse_args(argv=None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--modes", type=comma_list(str, MODES.__contains__, f"one of {', '.join(MODES)}"),
-                        default=list(MODES), help="comma-separated (default: all)")
+                        help="comma-separated (default: all; under torchrun: the modes over torch, and no_comm)")
     common.add_argument("--density", type=density, default=0.001,
                         help="spar_comm's share of each gradient sent (default: %(default)s)")
     common.add_argument("--selector", choices=sorted(SELECTORS), default="mstopk",
@@ -153,6 +161,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     cnn = models.add_parser("cnn", parents=[common], help="drivers/train_cnn.py's ResNet on its digits")
     resnet.add_model_arguments(cnn)
     args = parser.parse_args(argv)
+    torchrun = under_torchrun()
+    args.modes = args.modes or list(UNDER_TORCHRUN if torchrun else MODES)
+    outside = [mode for mode in args.modes if torchrun and mode not in UNDER_TORCHRUN]
+    if outside:
+        parser.error(f"--modes {','.join(outside)}: under torchrun only {', '.join(UNDER_TORCHRUN)} run (the "
+                     "others need an MPI launch: mpiexec -n N python drivers/bench_peers.py ...)")
     if args.model == "gpt":
         gpt_workload.settle_model_arguments(gpt, args)
     if args.model == "mlp" and args.eval_every:
@@ -215,14 +229,28 @@ def build_ddp(mode: str, replica: torch.nn.Module, work: Workload, args: argpars
     return Runner(model, work.new_optimizer(model.parameters()), lambda: None)
 
 
+def under_torchrun() -> bool:
+    """Whether torchrun launched this job: each process an MPI world of one, in a job of several."""
+    return MPI.COMM_WORLD.size == 1 and os.environ.get("WORLD_SIZE", "1") != "1"
+
+
+def start_torch(args: argparse.Namespace, comm: Any = None) -> None:
+    """torch.distributed's default group, where it is not up yet: over ``comm``'s
+    ranks (an MPI launch), or from torchrun's environment (collective)."""
+    if not dist.is_initialized():
+        sct.init_process_group("gloo", comm=comm, timeout=datetime.timedelta(seconds=args.peer_timeout))
+
+
 def build(mode: str, replica: torch.nn.Module, work: Workload, args: argparse.Namespace,
-          topology: Topology) -> Runner:
-    """The runner of a mode that runs in this process (collective)."""
+          topology: Topology, over_torch: Callable[[], Topology]) -> Runner:
+    """The runner of a mode that runs in this process (collective);
+    ``over_torch`` gives the job's nodes over torch.distributed's group."""
     if mode == "no_comm":
         return Runner(replica, work.new_optimizer(replica.parameters()), lambda: 0.0)
+    if mode in OVER_TORCH:
+        mode, topology = over_mpi(mode), over_torch()
     if mode == "spar_hook":
-        if not dist.is_initialized():
-            sct.init_process_group("gloo", comm=topology.world, timeout=datetime.timedelta(seconds=args.peer_timeout))
+        start_torch(args, topology.world if topology.transport == "mpi" else None)  # DDP's own group
         return build_ddp(mode, replica, work, args, topology)
     algorithm, values, indices = SPAR[mode]
     small = [name for name, p in replica.named_parameters() if p.numel() < (args.dense_below or 0)]
@@ -342,11 +370,24 @@ def start_modes(args: argparse.Namespace, topology: Topology, work: Workload, re
     world = topology.world
     peers = [mode for mode in args.modes if mode in PEERS]
     started = {}
-    for mode, method in zip(peers, init_methods(world, len(peers), on_one_host(world))):
+    methods = init_methods(world, len(peers), on_one_host(world)) if peers else []
+    for mode, method in zip(peers, methods):
         replica = work.new_model()
         shapes = [tuple(p.shape) for p in replica.parameters() if p.requires_grad]
         sent = ddp_bytes(mode, shapes, world.size, topology.num_nodes)
         started[mode] = Peer(mode, method, world, args, replica, work, sent)
+    made = {}
+
+    def over_torch() -> Topology:
+        """The job's nodes over torch.distributed's group, made at the first mode that asks (collective)."""
+        if "topology" not in made:
+            if topology.transport == "torch":
+                made["topology"] = topology
+            else:
+                start_torch(args, world)
+                made["topology"] = Topology(comm=TorchComm.world(), ranks_per_node=args.ranks_per_node)
+        return made["topology"]
+
     runners = {}
     for mode in args.modes:
         def construct(mode=mode):
@@ -354,7 +395,7 @@ def start_modes(args: argparse.Namespace, topology: Topology, work: Workload, re
                 started[mode].answer(max(STARTUP_SECONDS, args.peer_timeout))
                 runners[mode] = started[mode]
             else:
-                runners[mode] = build(mode, work.new_model(), work, args, topology)
+                runners[mode] = build(mode, work.new_model(), work, args, topology, over_torch)
         error = agreed_error(world, construct)
         if error:
             results[mode].update(status="failed", error=error)
@@ -528,14 +569,19 @@ def output_problem(args: argparse.Namespace) -> Optional[str]:
 def main() -> None:
     args = parse_args()
     world = MPI.COMM_WORLD
+    if under_torchrun():  # no peers to fork: torch's group may start now
+        start_torch(args)
+        world = TorchComm.world()
     raise_if_any(world, output_problem(args) if world.rank == 0 else None)
     torch.set_num_threads(1)
     if args.malloc == "retain":  # before any peer is forked: they inherit it
         retain_freed_memory()
-    topology = Topology(ranks_per_node=args.ranks_per_node)
+    topology = Topology(comm=world, ranks_per_node=args.ranks_per_node)
     results, parameters = measure(args, topology)
     if world.rank == 0:
         report(args, world, topology, results, parameters)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, results: List[dict],

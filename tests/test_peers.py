@@ -1,14 +1,22 @@
 """The two real workloads (spar_comm.workloads, trained by drivers/train_gpt.py
 and drivers/train_cnn.py) and drivers/bench_peers.py in smoke sizes, under
-mpiexec -n 2 with a hard limit; bench_peers' modes (spar_comm.bench.peers)."""
+mpiexec -n 2 (bench_peers' modes over torch also under torchrun) with a
+hard limit; bench_peers' modes (spar_comm.bench.peers)."""
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+
+from conftest import ROOT
+from run_mpi import kill_marked
 
 torch = pytest.importorskip("torch")
 from spar_comm.bench import peers  # noqa: E402
@@ -55,6 +63,39 @@ def test_bad_arguments_exit_2_with_a_usage_message(script, bad, run_driver):
 
 
 @pytest.mark.slow
+def test_under_torchrun_a_mode_that_needs_mpi_exits_2_naming_the_ones_that_run(run_driver):
+    run = run_driver("bench_peers.py", "mlp", "--modes", "spar_hitopk,no_comm", env={"WORLD_SIZE": "2"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "--modes spar_hitopk: under torchrun only spar_dense_torch," in run.stderr, run.stderr
+
+
+@pytest.mark.slow
+def test_bench_peers_runs_its_modes_over_torch_under_torchrun(tmp_path):
+    """No MPI launch: the modes over torch.distributed's group on 2 emulated
+    nodes of 1, the same bytes as over MPI (tests/test_peers' other run)."""
+    out = tmp_path / "peers.json"
+    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               str(ROOT / "drivers" / "bench_peers.py"), "mlp", "--hidden", "64", "--layers", "1",
+               "--ranks-per-node", "1", "--warmup", "1", "--repeat", "2", "--out", str(out)]
+    env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    try:
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        left = kill_marked(marker)
+    assert run.returncode == 0 and left == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    document = json.loads(out.read_text())
+    results = {r["mode"]: r for r in document["results"]}
+    assert list(results) == list(peers.UNDER_TORCHRUN) and document["world_size"] == 2
+    assert all(r["status"] == "ok" and r["step_ms"] > 0 for r in results.values()), results
+    parameters = document["parameters"]
+    assert results["spar_dense_torch"]["bytes_inter"] == 4 * parameters  # 2 nodes of 1: the vector once
+    assert 0 < results["spar_hitopk_torch"]["bytes_inter"] < parameters / 10
+    assert "between nodes over torch.distributed" in results["spar_auto_torch"]["note"]
+
+
+@pytest.mark.slow
 def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, tmp_path):
     out, png = tmp_path / "peers.json", tmp_path / "peers.png"
     run = run_driver("bench_peers.py", "gpt", "--tiny", "--batch-size", "2", "--ranks-per-node", "1",
@@ -80,6 +121,10 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
     assert 0 <= ok["spar_dense_float16"]["bytes_inter"] - ok["ddp"]["bytes_inter"] / 2 < 1024
     assert ok["ddp"]["bytes_inter"] / 4 < ok["spar_dense_int8"]["bytes_inter"] < ok["ddp"]["bytes_inter"] / 3.9
     assert 0 < ok["spar_hitopk_int8"]["bytes_inter"] < ok["spar_hitopk"]["bytes_inter"]
+    for mode in ("spar_dense", "spar_topka", "spar_hitopk"):  # the same allreducers over the torch transport
+        assert ok[f"{mode}_torch"]["bytes_inter"] == ok[mode]["bytes_inter"], mode
+    assert "between nodes over torch.distributed" in ok["spar_auto_torch"]["note"], ok["spar_auto_torch"]
+    assert "between nodes over MPI" in ok["spar_auto"]["note"], ok["spar_auto"]
     phases = ok["spar_hitopk"]["phases_ms"]
     assert list(phases) == list(peers.PHASES) and phases["select"] > 0 and min(phases.values()) >= 0, phases
     assert "phases_ms" not in ok["ddp"] and "where spar_comm's communication went" in run.stdout

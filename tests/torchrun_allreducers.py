@@ -2,7 +2,8 @@
 allreducer, with and without codecs, over torch.distributed's gloo group
 (``spar_comm.torch.transport``) on every emulated node layout the world size
 allows, against the serial reference to the last bit: output, residual, and
-the same bits on every rank. Prints ``rank R: CASES cases, FAILURES failed``
+the same bits on every rank; and ``auto``'s timing of the link over the
+group, alike on every rank. Prints ``rank R: CASES cases, FAILURES failed``
 and each failure."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mpi_helpers import layouts  # noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
+from spar_comm.costmodel import CPU, auto  # noqa: E402
 from spar_comm.torch.transport import TorchComm  # noqa: E402
 from torchrun_helpers import report  # noqa: E402
 
@@ -64,6 +66,15 @@ def main() -> None:
                     failures.append(f"{algorithm} n={n} values={values} rpn={rpn} step {step}: {problem}")
                     break
             reducer.free()
+        if topology.num_nodes > 1:  # auto times the link as this transport moves messages
+            count += 1
+            pricing = auto.price(topology)
+            beta = pricing.machine.beta_inter
+            seen = world.allgather(repr((pricing.transport, pricing.machine.to_dict())))
+            if pricing.transport != "torch" or len(set(seen)) > 1 or not 0 < beta < float("inf") or beta == CPU.beta_inter:
+                failures.append(f"auto over rpn={rpn}: priced {seen[rank]}, not a link timed over the group alike")
+            elif "between nodes over torch.distributed" not in pricing.describe():
+                failures.append(f"auto over rpn={rpn}: {pricing.describe()!r} names no transport")
         topology.free()
     report(f"{count} cases, {len(failures)} failed", failures)
 

@@ -25,7 +25,18 @@ SPAR = {**{f"spar_{a}": (a, None, None) for a in (*ALGORITHMS, "auto")},
         "spar_hitopk_int8": ("hitopk", "int8", "auto"), "spar_hitopk_spin": ("hitopk", None, None)}
 #: spar_comm's modes whose waits spin in MPI (see ``spar_comm/waiting.py``).
 SPINNING = ("spar_hitopk_spin",)
-MODES = (*PEERS, *SPAR, "spar_hook", "no_comm")
+#: spar_comm's modes again over torch.distributed's gloo group (the torch
+#: transport) instead of MPI: the same allreducers, on the same nodes.
+OVER_TORCH = tuple(f"{mode}_torch" for mode in ("spar_dense", "spar_topka", "spar_hitopk", "spar_auto", "spar_hook"))
+MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, "no_comm")
+#: The modes a job that torchrun launched runs: no MPI, and no peer forked
+#: from a process whose gloo group already runs threads.
+UNDER_TORCHRUN = (*OVER_TORCH, "no_comm")
+
+
+def over_mpi(mode: str) -> str:
+    """The mode that runs ``mode``'s allreducers over MPI (itself, where it does)."""
+    return mode[: -len("_torch")] if mode in OVER_TORCH else mode
 #: Where the communication of a spar_comm step went, in seconds summed over its buckets.
 PHASES = ("select", "intra", "inter", "local", "copies", "wait")
 

@@ -35,6 +35,8 @@ class Pricing:
 
     machine: Machine
     cluster: Cluster
+    #: What moves the bytes between nodes, as timed: "mpi", or "torch" (a torch.distributed group).
+    transport: str = "mpi"
 
     def choose(self, size: Any, dtype: Any, density: Any, selector: Any, values: Optional[str] = None,
                indices: Optional[str] = None) -> str:
@@ -53,8 +55,9 @@ class Pricing:
 
     def describe(self) -> str:
         """What is priced, in a few words."""
-        link = (f"{beta_to_gbps(self.machine.beta_inter):.3g} Gbit/s between nodes" if self.cluster.nodes > 1
-                else "one node")
+        over = "MPI" if self.transport == "mpi" else "torch.distributed"
+        link = (f"{beta_to_gbps(self.machine.beta_inter):.3g} Gbit/s between nodes over {over}"
+                if self.cluster.nodes > 1 else "one node")
         return link + (f", {self.cluster.ranks} ranks on {self.cluster.cores} cores" if self.cluster.cores else "")
 
     def to_state(self) -> Dict[str, Any]:
@@ -76,7 +79,7 @@ def resumed(topology: Topology, saved: Mapping[str, Any]) -> Pricing:
     shape: a resumed run chooses as the run it continues did, whatever the
     link times now. Every rank must pass the same ``saved``."""
     machine, cores = from_state(saved)
-    return Pricing(machine, _cluster(topology, cores))
+    return Pricing(machine, _cluster(topology, cores), topology.transport)
 
 
 def _cluster(topology: Topology, cores: Optional[int]) -> Cluster:
@@ -110,7 +113,7 @@ def price(topology: Topology) -> Pricing:
         if timed is not None:
             machine = machine.replace(alpha_inter=timed[0], beta_inter=timed[1])
         cores = probe.shared_cores(topology, topology.num_nodes * max(topology.node_sizes))
-    return Pricing(machine, _cluster(topology, cores))
+    return Pricing(machine, _cluster(topology, cores), topology.transport)
 
 
 def choice(topology: Topology, pricing: Pricing, size: Any, dtype: Any, density: Any, selector: Any,

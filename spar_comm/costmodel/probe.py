@@ -58,23 +58,26 @@ def _partner(leaders: MPI.Comm) -> int:
 
 
 def _pingpong(leaders: MPI.Comm) -> Tuple[Optional[Tuple[float, float]], Optional[str]]:
-    """Leader 0 times the link to its partner, which echoes every message
-    until an empty one; the others wait. Leader 0's (figures, problem)."""
+    """Leader 0 times the link to its partner, which echoes every message;
+    the others wait. Before each timed trip leader 0 says its size (untimed:
+    a torch.distributed group cannot probe for it), and a size of -1 ends
+    the echo. Leader 0's (figures, problem)."""
     partner = _partner(leaders)
     if leaders.rank not in (0, partner):
         return None, None
-    buf = np.zeros(LAST_BYTES, np.uint8)
+    buf, size = np.zeros(LAST_BYTES, np.uint8), np.zeros(1, np.int64)
     if leaders.rank != 0:
-        status = MPI.Status()
         while True:
-            leaders.Probe(source=0, tag=_TAG, status=status)
-            nbytes = status.Get_count(MPI.BYTE)
-            leaders.Recv([buf, nbytes, MPI.BYTE], source=0, tag=_TAG)
-            if nbytes == 0:
+            leaders.Recv(size, source=0, tag=_TAG)
+            nbytes = int(size[0])
+            if nbytes < 0:
                 return None, None
+            leaders.Recv([buf, nbytes, MPI.BYTE], source=0, tag=_TAG)
             leaders.Send([buf, nbytes, MPI.BYTE], dest=0, tag=_TAG)
 
     def round_trip(nbytes: int) -> float:
+        size[0] = nbytes
+        leaders.Send(size, dest=partner, tag=_TAG)
         start = MPI.Wtime()
         leaders.Send([buf, nbytes, MPI.BYTE], dest=partner, tag=_TAG)
         leaders.Recv([buf, nbytes, MPI.BYTE], source=partner, tag=_TAG)
@@ -85,20 +88,23 @@ def _pingpong(leaders: MPI.Comm) -> Tuple[Optional[Tuple[float, float]], Optiona
     except Exception as error:  # agreed below, so that every rank raises it
         return None, f"{type(error).__name__}: {error}"
     finally:
-        leaders.Send([buf, 0, MPI.BYTE], dest=partner, tag=_TAG)
+        size[0] = -1
+        leaders.Send(size, dest=partner, tag=_TAG)
 
 
 def link(topology: Topology) -> Optional[Tuple[float, float]]:
-    """(alpha_inter, beta_inter) of the link between two nodes, the same on
-    every rank; None on one node, and over a torch.distributed group, whose
-    link this MPI ping-pong does not time (collective). Raises SparCommError
-    on every rank if the timing failed."""
-    if topology.num_nodes < 2 or topology.transport != "mpi":
+    """(alpha_inter, beta_inter) of the link between two nodes as the
+    topology's transport (MPI, or a torch.distributed group) moves messages,
+    the same on every rank; None on one node (collective). Raises
+    SparCommError on every rank if the timing failed."""
+    if topology.num_nodes < 2:
         return None
     figures, problem = None, None
     with waiting.watched("timing the link between nodes for algorithm='auto'", topology.world, patient=True):
         if topology.leader != MPI.COMM_NULL:
-            leaders = topology.leader.Dup()  # no message of the probe can match another's
+            # Over MPI no message of the probe can match another's on a comm of
+            # its own; a torch group splits only whole (its sends match by tag).
+            leaders = topology.leader.Dup() if topology.transport == "mpi" else topology.leader
             figures, problem = _pingpong(leaders)
             leaders.Free()
         waiting.collective(topology.world, "Barrier")  # the others sleep, leaving the cores to the two timing
