@@ -19,7 +19,7 @@ warm-up.
   spar_hitopk_int8   hitopk with int8 values and automatic indices
   spar_hitopk_spin   hitopk waiting in MPI_Wait (SPAR_COMM_WAIT=spin) rather than asleep
   spar_hook          DDP + spar_comm.torch.comm_hook (hitopk)
-  spar_<mode>_torch  spar_dense, spar_topka, spar_hitopk, spar_auto and spar_hook
+  spar_<mode>_torch  spar_dense, spar_hier_dense, spar_topka, spar_hitopk, spar_auto and spar_hook
                      over torch.distributed's gloo group (the torch transport)
                      instead of MPI, on the same nodes
   no_comm            the same step with no communication: the floor

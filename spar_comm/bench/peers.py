@@ -27,7 +27,8 @@ SPAR = {**{f"spar_{a}": (a, None, None) for a in (*ALGORITHMS, "auto")},
 SPINNING = ("spar_hitopk_spin",)
 #: spar_comm's modes again over torch.distributed's gloo group (the torch
 #: transport) instead of MPI: the same allreducers, on the same nodes.
-OVER_TORCH = tuple(f"{mode}_torch" for mode in ("spar_dense", "spar_topka", "spar_hitopk", "spar_auto", "spar_hook"))
+OVER_TORCH = tuple(f"{mode}_torch" for mode in ("spar_dense", "spar_hier_dense", "spar_topka", "spar_hitopk",
+                                                "spar_auto", "spar_hook"))
 MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, "no_comm")
 #: The modes a job that torchrun launched runs: no MPI, and no peer forked
 #: from a process whose gloo group already runs threads.
