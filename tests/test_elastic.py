@@ -2,8 +2,8 @@
 
 drivers/train_ddp.py under ``torchrun --nnodes 1:2 --max-restarts 2`` on 2
 emulated hosts of 1 rank (network namespaces, TCP between them): once a
-checkpoint is committed, host 1's torchrun agent and its worker are killed.
-The survivor's worker must notice the dead peer and end, its agent restart
+checkpoint is committed, host 1's torchrun agent and its worker are killed,
+or stopped (a host that hangs). The survivor's worker must notice and end, its agent restart
 it on the host that is left (a world of 1), the run resume from the last
 committed save, saying so in one line, and finish with status 0; no process
 of the job may be left, nor an MPI shared-memory file. Each job runs under a
@@ -88,10 +88,10 @@ class Agent:
                 continue
         return found
 
-    def kill(self) -> None:
+    def kill(self, sig: int = signal.SIGKILL) -> None:
         for pid in self.processes():
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -111,7 +111,10 @@ def committed_step(checkpoint: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_host_lost_mid_run_the_job_restarts_on_the_host_left_resumes_and_finishes(tmp_path, hosts):
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_host_lost_mid_run_the_job_restarts_on_the_host_left_resumes_and_finishes(tmp_path, hosts, fault):
+    """kill: host 1's processes die (gloo tells the survivor at once, "Connection reset by peer");
+    stop: they stop answering (SIGSTOP: the survivor's wait meets SPAR_COMM_TIMEOUT's deadline)."""
     segments = mpi_segments()
     marker = f"elastic-{os.getpid()}-{time.monotonic_ns()}"
     checkpoint = tmp_path / "checkpoint"
@@ -123,13 +126,14 @@ def test_a_host_lost_mid_run_the_job_restarts_on_the_host_left_resumes_and_finis
             time.sleep(0.1)
         killed = agents[1].processes()
         assert len(killed) == 2, agents[1].output()  # the agent and its worker
-        fault, saved = time.monotonic(), committed_step(checkpoint)
-        agents[1].kill()
+        since, saved = time.monotonic(), committed_step(checkpoint)
+        agents[1].kill(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         try:
             status = agents[0].process.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pytest.fail(f"the job did not end within {LIMIT} s:\n{agents[0].output()}")
         ended = time.monotonic()
+        agents[1].kill()  # the stopped host's processes: a lost host's are gone
         for agent in agents:
             while agent.processes() and time.monotonic() < ended + 10:
                 time.sleep(0.05)
@@ -145,7 +149,8 @@ def test_a_host_lost_mid_run_the_job_restarts_on_the_host_left_resumes_and_finis
     theirs = {f"mpich_shm_{pid:x}_0" for pid in killed}
     for name in orphaned_segments(segments) & theirs:
         os.unlink(f"/dev/shm/{name}")
-    assert orphaned_segments(segments) == set()
+    assert orphaned_segments(segments) == set(), (f"host 1's processes {killed}; the survivor's workers: "
+                                                  f"{[line for _, line in agents[0].errors if 'pid:' in line]}")
     restarted, resumed = agents[0].first(r"^resumed .* at step (\d+), saved by 2 ranks, on 1: ")
     assert resumed is not None, output
     step = int(re.search(r"at step (\d+)", resumed).group(1))
@@ -153,14 +158,15 @@ def test_a_host_lost_mid_run_the_job_restarts_on_the_host_left_resumes_and_finis
     assert agents[0].first(r"^world size 1$")[1] is not None, output
     finished, done = agents[0].first(r"^done: .*parameters identical on all 1 ranks")
     assert done is not None, output
-    reset, _ = agents[0].first(r"Connection reset by peer|Connection closed by peer|past the deadline", "errors")
-    failed, why = agents[0].first(r"failed \(exitcode", "errors")
+    reset, _ = agents[0].first(r"Connection reset by peer" if fault == "kill" else
+                               rf"no answer past the deadline \(SPAR_COMM_TIMEOUT={TIMEOUT}\)", "errors")
+    assert reset is not None, output
+    failed, _ = agents[0].first(r"failed \(exitcode", "errors")
     assert failed is not None, output  # the worker of the old world ended, and the agent saw it
-    noticed = "never" if reset is None else f"{reset - fault:.1f} s"
-    print(f"fault after step {saved}'s save: the survivor's worker noticed it after {noticed} and ended "
-          f"{failed - fault:.1f} s after it; "
-          f"restarted on 1 rank from step {step} {restarted - fault:.1f} s after the fault, finished "
-          f"{finished - fault:.1f} s after it, the agent ended {ended - fault:.1f} s after it")
+    print(f"{fault} after step {saved}'s save: the survivor's worker noticed it after {reset - since:.1f} s and "
+          f"ended {failed - since:.1f} s after it; restarted on 1 rank from step {step} {restarted - since:.1f} s "
+          f"after the fault, finished {finished - since:.1f} s after it, the agent ended {ended - since:.1f} s "
+          "after it")
     for _, line in agents[0].errors:
         if re.search(r"Error|error|deadline|Connection", line) and "hostname of the client" not in line:
             print("  survivor:", line[:300])

@@ -11,7 +11,8 @@ the allreducers: the reference, which owes nothing to DCP.
 
 ``load``: the checkpoint through ``load_checkpoint`` into fresh objects (the
 optimizer on one node when the world grew, so that the spans become shards;
-on nodes of one rank when it shrank, so that they overlap again); checked against the NumPy files: the parameters to the bit; the
+on nodes of one rank when it shrank, so that they overlap again); checked
+against the NumPy files: the parameters to the bit; the
 new ranks' residuals, summed, equal the saved ranks' summed in rank order
 (one sum's rounding: each position's total sits on one new rank); no
 position on two new ranks; a step of each then runs. A plain ``dcp.load``

@@ -371,7 +371,8 @@ def _own_hook_residuals(state: Any, rank: int, world_size: int) -> Tuple[Dict[Co
         return {}, (f"the hook state has no format {HOOK_STATE_FORMAT} or 1 entry (was it saved by "
                     "spar_comm.torch.comm_hook's state.state_dict()?)")
     if state.get("world_size") != world_size:
-        return {}, f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}: {OTHER_WORLD}"
+        return {}, (f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}: "
+                    f"{OTHER_WORLD}")
     if state["format"] == 1:  # every rank's, a list by rank of {coordinate: values}
         everyone = state.get("residuals")
         if not isinstance(everyone, list) or len(everyone) != world_size or not isinstance(everyone[rank], dict):
