@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spar_comm.training.redistribute import kept_by, redistributed, total_over, uncovered
+from spar_comm.redistribute import kept_by, redistributed, total_over, uncovered
 
 
 def spans_of(size: int, node_sizes: list, sharded: bool) -> list:

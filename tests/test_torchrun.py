@@ -176,3 +176,19 @@ def test_a_peer_that_stops_answering_ends_a_torchrun_job_at_the_deadline(way):
     print(f"{way}: {line}; torchrun ended {ended - hung[0]:.1f} s after rank 0 hung")
     assert ended - hung[0] < timeout + 8, f"the job ended {ended - hung[0]:.1f} s after rank 0 hung"
     assert left == 0, f"{left} processes left"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, loaded", [(2, 1), (2, 4), (4, 2)])
+def test_the_state_resumes_on_another_world_with_the_residuals_total_kept(tmp_path, saved, loaded):
+    """tests/torchrun_resume.py: the optimizer's and the hook's state saved by
+    save_checkpoint on one world, loaded by load_checkpoint on another: the
+    parameters to the bit, the new ranks' residuals summed equal to the saved
+    ranks' summed in rank order (from NumPy files written beside the save),
+    each position on one new rank; a plain dcp.load on the new world is
+    refused by spar_comm, naming load_checkpoint."""
+    directory = str(tmp_path / "checkpoint")
+    lines = torchrun(saved, "save", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
+    assert [lines.get((rank, "summary")) for rank in range(saved)] == ["0 failed"] * saved, lines
+    lines = torchrun(loaded, "load", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
+    assert [lines.get((rank, "summary")) for rank in range(loaded)] == ["0 failed"] * loaded, lines

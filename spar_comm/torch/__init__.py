@@ -8,13 +8,19 @@ Two ways in, each a few lines in an existing script:
   hook (``ddp.py``), with ``init_process_group`` starting ``torch.distributed``
   from the MPI launch (``process_group.py``).
 
+``save_checkpoint`` / ``load_checkpoint`` save through
+``torch.distributed.checkpoint`` and resume on any number of ranks
+(``checkpoint.py``).
+
 CUDA tensors go through the allreducers' GPU path, ordered by CUDA events
 (``streams.py``). torch is imported only in this package.
 """
+from .checkpoint import Resumed, load_checkpoint, save_checkpoint
 from .ddp import HookState, comm_hook
 from .optimizer import (STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
                         local_device, rank, size)
 from .process_group import init_process_group
 
-__all__ = ["DistributedOptimizer", "HookState", "STATE_FORMAT", "broadcast_optimizer_state", "broadcast_parameters",
-           "comm_hook", "init_process_group", "local_device", "rank", "size"]
+__all__ = ["DistributedOptimizer", "HookState", "Resumed", "STATE_FORMAT", "broadcast_optimizer_state",
+           "broadcast_parameters", "comm_hook", "init_process_group", "load_checkpoint", "local_device", "rank",
+           "save_checkpoint", "size"]

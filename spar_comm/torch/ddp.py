@@ -42,7 +42,7 @@ from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward, after_queued
 from .optimizer import non_finite_problem
-from .state import agree, own_residuals, rank_key
+from .state import OTHER_WORLD, agree, own_residuals, rank_key
 from .streams import NoStreams, as_array, as_tensor, streams_for
 from .world import job_comm, require_job_world
 
@@ -371,7 +371,8 @@ def _own_hook_residuals(state: Any, rank: int, world_size: int) -> Tuple[Dict[Co
         return {}, (f"the hook state has no format {HOOK_STATE_FORMAT} or 1 entry (was it saved by "
                     "spar_comm.torch.comm_hook's state.state_dict()?)")
     if state.get("world_size") != world_size:
-        return {}, f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}"
+        return {}, (f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}: "
+                    f"{OTHER_WORLD}")
     if state["format"] == 1:  # every rank's, a list by rank of {coordinate: values}
         everyone = state.get("residuals")
         if not isinstance(everyone, list) or len(everyone) != world_size or not isinstance(everyone[rank], dict):

@@ -54,7 +54,7 @@ from ..errors import ConfigError, NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward
-from .state import agree, own_residuals, rank_key
+from .state import OTHER_WORLD, agree, own_residuals, rank_key
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
 from .world import check_size, job_comm, require_job_world
 
@@ -64,9 +64,11 @@ __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_param
 #: The dtypes the allreducers take.
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 #: ``state_dict()["spar_comm"]["format"]``: bumped when the layout of the entry changes.
-#: 2: this rank's residuals only, under ``residuals["rank{r}"]["bucket{i}"]`` (``{"span", "values"}``
-#: tensors), for torch.distributed.checkpoint; 1 (still loaded): every rank's, a list by rank.
-STATE_FORMAT = 2
+#: 3: this rank's residuals only, under ``residuals["rank{r}"]["bucket{i}"]`` as a ``(span, values)``
+#: tuple of tensors, which torch.distributed.checkpoint saves whole, as one object, so that a template
+#: of another world (other spans) asks for no tensor of another size. 2 (still loaded): a ``{"span",
+#: "values"}`` dict of tensors; 1 (still loaded): every rank's, a list by rank.
+STATE_FORMAT = 3
 #: A problem bit agreed over ranks at every synchronize.
 _TOO_MANY_PASSES = 1
 #: What a NaN or Inf in any rank's gradient does: a non-finite mean on every
@@ -398,8 +400,8 @@ class _DistributedOptimizer:
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state plus this rank's error-feedback residual
         per bucket (in the gradients' own units, whatever the loss scale), under
-        ``["spar_comm"]["residuals"]["rank{r}"]["bucket{i}"]`` as ``span`` and
-        ``values`` tensors, beside the world size, the bucket layout and the
+        ``["spar_comm"]["residuals"]["rank{r}"]["bucket{i}"]`` as a tuple of
+        ``span`` and ``values`` tensors, beside the world size, the bucket layout and the
         algorithms. Local: no rank's state reaches another. Each rank loads its
         own: ``torch.distributed.checkpoint.save``/``load`` of every rank's
         ``state_dict()`` (its keys name the rank, so no rank's residual is
@@ -410,8 +412,8 @@ class _DistributedOptimizer:
         mine = {}
         for i, bucket in enumerate(self.buckets):
             span, values = bucket.reducer.residual_state(copy=False)  # the division below makes the copy
-            mine[f"bucket{i}"] = {"span": torch.tensor([int(span[0]), int(span[1])], dtype=torch.int64),
-                                  "values": torch.from_numpy(values / self._scale)}
+            mine[f"bucket{i}"] = (torch.tensor([int(span[0]), int(span[1])], dtype=torch.int64),
+                                  torch.from_numpy(values / self._scale))
         state["spar_comm"] = {
             "format": STATE_FORMAT,
             "world_size": self._comm.size,
@@ -728,12 +730,13 @@ def _first_difference(mine: List, reference: List) -> str:
 
 def _own_state(saved: Any, rank: int, world_size: int, signature: List) -> Tuple[List, Optional[str]]:
     """This rank's residuals, as (span, values) a bucket, from a saved
-    ``spar_comm`` entry of format 2 or 1, or why they cannot be loaded."""
-    if not isinstance(saved, dict) or saved.get("format") not in (1, STATE_FORMAT):
+    ``spar_comm`` entry of format 3, 2 or 1, or why they cannot be loaded."""
+    if not isinstance(saved, dict) or saved.get("format") not in (1, 2, STATE_FORMAT):
         return [], ("the state_dict has no spar_comm entry of format "
-                    f"{STATE_FORMAT} or 1 (was it saved by a DistributedOptimizer?)")
+                    f"{STATE_FORMAT}, 2 or 1 (was it saved by a DistributedOptimizer?)")
     if saved.get("world_size") != world_size:
-        return [], f"the state_dict was saved by {saved.get('world_size')} ranks; this job has {world_size}"
+        return [], (f"the state_dict was saved by {saved.get('world_size')} ranks; this job has {world_size}: "
+                    f"{OTHER_WORLD}")
     theirs = [[tuple((n, tuple(s), d)) for n, s, d in bucket] for bucket in saved.get("buckets", [])]
     if theirs != [[tuple(e) for e in bucket] for bucket in signature]:
         if len(theirs) != len(signature):
@@ -752,9 +755,13 @@ def _own_state(saved: Any, rank: int, world_size: int, signature: List) -> Tuple
             return [], problem
         if not isinstance(buckets, dict) or sorted(buckets) != sorted(f"bucket{i}" for i in range(len(signature))):
             return [], f"the state_dict's residuals of this rank are not {len(signature)} buckets (bucket0, ...)"
-        entries = [(buckets[f"bucket{i}"].get("span"), buckets[f"bucket{i}"].get("values"))
-                   if isinstance(buckets[f"bucket{i}"], dict) else None for i in range(len(signature))]
+        entries = [_span_and_values(buckets[f"bucket{i}"]) for i in range(len(signature))]
     return _residuals_checked(entries)
+
+
+def _span_and_values(entry: Any) -> Any:
+    """A bucket's ``(span, values)``: a tuple in format 3, a dict in format 2."""
+    return (entry.get("span"), entry.get("values")) if isinstance(entry, dict) else entry
 
 
 def _residuals_checked(entries: List) -> Tuple[List, Optional[str]]:

@@ -21,6 +21,10 @@ SCALABLE_WAYS = (
     "state_dict() to a file per rank and load that rank's file"
 )
 
+#: Named wherever a state saved on another number of ranks is refused.
+OTHER_WORLD = ("spar_comm.torch.load_checkpoint(state, path) loads a checkpoint on another number of ranks, "
+               "the residuals' total kept")
+
 
 def rank_key(rank: int) -> str:
     """The key of rank ``rank``'s residuals in ``state_dict()["residuals"]``."""

@@ -36,7 +36,7 @@ from typing import Any, List, Optional, Tuple
 import array_api_compat
 import numpy as np
 
-from .. import __version__, waiting
+from .. import __version__, redistribute, waiting
 from ..consensus import raise_if_any
 from ..costmodel import auto
 from ..errors import ConfigError, WriteError
@@ -45,7 +45,7 @@ from ..files import (BadFileError, agree, attribute, create_hdf5, dataset, finit
 from .config import TrainConfig
 from .data import Shards
 from .distributed import Group, to_host
-from . import parts, redistribute
+from . import parts
 from .layout import ParamLayout
 from .state import TrainState
 
