@@ -490,30 +490,31 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
 
 # -- output ------------------------------------------------------------------------------------
 def table(results: List[dict]) -> str:
-    lines = [f"{'mode':<18}{'ms/step':>10}{'x DDP':>8}{'MB between nodes':>18}  note"]
+    w = max(18, 2 + max(len(r["mode"]) for r in results))  # the mode column
+    lines = [f"{'mode':<{w}}{'ms/step':>10}{'x DDP':>8}{'MB between nodes':>18}  note"]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"{r['mode']:<18}{r['status']:>10}{'':>8}{'':>18}  {r['error']}")
+            lines.append(f"{r['mode']:<{w}}{r['status']:>10}{'':>8}{'':>18}  {r['error']}")
             continue
         ratio = f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-"
         sent = f"{r['bytes_inter'] / 1e6:.4g}" if r["bytes_inter"] is not None else "unknown"
-        lines.append(f"{r['mode']:<18}{r['step_ms']:>10.1f}{ratio:>8}{sent:>18}  {r['note']}")
+        lines.append(f"{r['mode']:<{w}}{r['step_ms']:>10.1f}{ratio:>8}{sent:>18}  {r['note']}")
     timed = [r for r in results if "phases_ms" in r]
     if timed:
         lines += ["", "where spar_comm's communication went, ms (medians, each phase on its slowest rank):",
-                  f"{'mode':<18}" + "".join(f"{name:>9}" for name in PHASES)]
-        lines += [f"{r['mode']:<18}" + "".join(f"{r['phases_ms'][name]:>9.1f}" for name in PHASES) for r in timed]
+                  f"{'mode':<{w}}" + "".join(f"{name:>9}" for name in PHASES)]
+        lines += [f"{r['mode']:<{w}}" + "".join(f"{r['phases_ms'][name]:>9.1f}" for name in PHASES) for r in timed]
     curves = [r for r in results if r.get("curve")]
     if curves:
         lines += ["", f"time to target: s of training (the slowest rank's steps summed) until the "
                       f"{curves[0]['metric']} first reached each target, steps in brackets:",
-                  f"{'mode':<18}" + "".join(f"{'to ' + format(t['target'], 'g'):>20}" for t in curves[0]["to_target"])
+                  f"{'mode':<{w}}" + "".join(f"{'to ' + format(t['target'], 'g'):>20}" for t in curves[0]["to_target"])
                   + f"{'final':>10}{'after':>8}"]
         for r in curves:
             cells = [f"{t['seconds']:.1f} ({t['steps']}) {t['ratio_to_ddp']:.2f}x" if t.get("ratio_to_ddp")
                      else f"{t['seconds']:.1f} ({t['steps']})" if t["seconds"] is not None else "not reached"
                      for t in r["to_target"]]
-            lines.append(f"{r['mode']:<18}" + "".join(f"{c:>20}" for c in cells)
+            lines.append(f"{r['mode']:<{w}}" + "".join(f"{c:>20}" for c in cells)
                          + f"{r['curve'][-1][2]:>10.4f}{r['curve'][-1][0]:>8}")
     return "\n".join(lines)
 
