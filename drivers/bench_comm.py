@@ -16,6 +16,9 @@ also in reads (over one read of the gradient, ``grad.max()``, by every rank
 at once, timed in the same rounds: the unit a memory-bound call is counted
 in), selection and communication time, and the bytes each rank sends inside and
 between nodes (ring model, see spar_comm.collectives.channel).
+``--count-passes`` adds the passes over memory one more call of each makes:
+reads and writes of full-length arrays, in vectors of the gradient's length
+(``spar_comm.bench.passes``), to check against docs/design.md's table.
 ``--device gpu`` puts each rank's gradient on its GPU as a CuPy array (the
 bytes copied through host buffers, when MPI is not CUDA-aware, are in the
 JSON as ``bytes_staged``); ``--device gpu-simulator`` runs that path on the
@@ -41,7 +44,7 @@ from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
-from spar_comm.bench import record, timing  # noqa: E402
+from spar_comm.bench import passes, record, timing  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density  # noqa: E402
 from spar_comm.collectives.checks import CODECS, DTYPES  # noqa: E402
@@ -88,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--link-counters", metavar="IFACE",
                         help="also count the bytes every host's IFACE sends in one call of each algorithm, "
                              "from /sys/class/net/IFACE/statistics (an emulated cluster's emu0)")
+    parser.add_argument("--count-passes", action="store_true",
+                        help="also count the passes over memory one call of each algorithm makes, after the timed "
+                             "ones: reads and writes of full-length arrays at the kernels' entry points, in vectors "
+                             "of the gradient's length (docs/design.md's table)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.algorithms.split(",")) - set(ALGORITHMS))
@@ -233,7 +240,8 @@ def main() -> int:
         print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
         print("# reads: time and CPU over one read of the gradient by every rank at once, in the same rounds")
         header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'cpu ms':>8} {'reads':>6} " \
-                 f"{'cpu rd':>6} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}"
+                 f"{'cpu rd':>6} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}" \
+                 + (f" {'R pass':>6} {'W pass':>6}" if args.count_passes else "")
         print(header, flush=True)
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
@@ -242,8 +250,13 @@ def main() -> int:
                                     shared_buffer=args.shared_buffer,
                                     **options_of(a, args)) for a in args.algorithms]
         measured, read = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer)
+        sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
+        if args.count_passes:
+            out = topology.memory.xp.empty_like(grad)
+            for figures, reducer, send in zip(measured, reducers, sends):
+                counted = passes.counted_call(reducer, send, out)
+                figures["pass_reads"], figures["pass_writes"] = counted["reads"], counted["writes"]
         if args.link_counters:
-            sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
             for figures, count in zip(measured, link_bytes(reducers, sends, topology.memory.xp.empty_like(grad), counter)):
                 figures["link_bytes"] = count
         for reducer in reducers:
@@ -259,7 +272,9 @@ def main() -> int:
                 print(f"{size:>10} {algorithm:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
                       f"{row['cpu_median'] * 1e3:8.3f} {row['time_reads']:6.2f} {row['cpu_reads']:6.2f} "
                       f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
-                      f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)
+                      f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}"
+                      + (f" {row['pass_reads']:6.2f} {row['pass_writes']:6.2f}" if args.count_passes else ""),
+                      flush=True)
         if lead and args.out:
             record.write_record(args.out, meta, results=results)
     return 0
