@@ -16,17 +16,21 @@ from a view of the input costs no copy. For integers the key is ``|x|`` as an
 unsigned integer of the same width, which is exact even for the most negative
 value (whose two's-complement ``abs`` wraps to itself, i.e. ``2**(w-1)``).
 
-The hot loop over the full array is compiled with Numba: one branchy pass that
-writes candidate positions is about as fast as a plain reduction over memory,
-where NumPy needs three passes (``abs``, compare, ``flatnonzero``).
+The hot loop over the full array is compiled with Numba: one pass that writes
+candidate positions, where NumPy needs three (``abs``, compare,
+``flatnonzero``). It can add error feedback's fresh values in the same pass
+(``fused.py``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import numba
 import numpy as np
+
+from . import passes
 
 #: Entries per strided sample used to estimate where the k-th magnitude lies.
 SAMPLE = 1 << 15
@@ -58,6 +62,7 @@ def float_layout(dtype: np.dtype) -> FloatLayout | None:
 def magnitude_keys(x: np.ndarray) -> np.ndarray:
     """Keys of every entry (a new array): unsigned, ordered as the magnitudes."""
     layout = float_layout(x.dtype)
+    passes.book("keys", x.size, x.size)
     if layout is not None:
         keys = native(x).view(layout.bits) & layout.bits(layout.mask)
         return canonical_nan(keys, layout)
@@ -91,26 +96,52 @@ def kth_key(keys: np.ndarray, k: int):
     return np.partition(keys, keys.size - k)[keys.size - k]
 
 
-@numba.njit(nogil=True, cache=True)
-def _scan(bits, mask, floor, positions, keys):  # pragma: no cover - compiled
-    """Write each position with key ``bits & mask >= floor``, and its key; return how many.
+#: Entries a sweep tests at once: small enough that at density 0.001 most
+#: blocks hold no candidate and are passed over after one vectorised maximum.
+BLOCK = 256
 
-    Keeps counting past the end of the output so that the caller can size a
-    retry. Arithmetic is in int64 (float keys never use the top bit), so no
-    signed/unsigned promotion to float can slow the loop. A plain branch beats
-    branch-free and block-skipping forms here: at the densities of interest
-    it is well predicted.
+
+@numba.njit(nogil=True, cache=True)
+def _sweep(values, bits, fresh, widen, mask, floor, positions, keys):  # pragma: no cover - compiled
+    """Add ``fresh`` into ``values`` (widened through the table ``widen`` when
+    given; nothing is added when ``fresh`` is None), then write each position
+    whose key ``bits & mask`` is ``>= floor``, and its key; return how many.
+
+    ``bits`` is a view of ``values``. Block by block: the add and the largest
+    key vectorise, and only a block that reaches the floor is searched, while
+    it is in cache. Keeps counting past the end of the output so that the
+    caller can size a retry.
     """
     count = 0
     capacity = positions.size
-    for i in range(bits.size):
-        key = np.int64(bits[i]) & mask
-        if key >= floor:
-            if count < capacity:
-                positions[count] = i
-                keys[count] = key
-            count += 1
+    for start in range(0, values.size, BLOCK):
+        stop = min(start + BLOCK, values.size)
+        if fresh is not None:
+            _add(values[start:stop], fresh[start:stop], widen)
+        block = bits[start:stop]
+        largest = block.dtype.type(0)
+        for i in range(block.size):
+            largest = max(largest, block[i] & mask)
+        if largest < floor:
+            continue
+        for i in range(block.size):
+            key = block[i] & mask
+            if key >= floor:
+                if count < capacity:
+                    positions[count] = start + i
+                    keys[count] = key
+                count += 1
     return count
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _add(values, fresh, widen):  # pragma: no cover - compiled
+    if widen is None:
+        for i in range(values.size):
+            values[i] += fresh[i]
+    else:  # a 16-bit float's bits index the table of their float32 values
+        for i in range(values.size):
+            values[i] += widen[fresh[i]]
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
@@ -132,20 +163,35 @@ def _finite_stats(x, bits, mask, inf_key):  # pragma: no cover - compiled
     return total, top, finite
 
 
-def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int) -> tuple[np.ndarray, np.ndarray]:
-    """Ascending positions and keys of every entry of float array ``x`` with key ``>= floor``.
+def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: np.ndarray | None = None
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending positions and keys of every entry of float array ``x`` with key ``>= floor``;
+    with ``fresh``, ``x += fresh`` first, in the same pass (``fresh`` of x's
+    dtype, or a 16-bit float for a float32 ``x``, widened exactly).
 
-    ``expect`` sizes the output; a second pass runs only when it was too small.
+    ``expect`` sizes the output; a second pass, never adding again, runs only when it was too small.
     """
     bits = x.view(layout.bits)
+    widen = None
+    if fresh is not None and fresh.dtype != x.dtype:
+        widen = widening_table(fresh.dtype)
+        fresh = fresh.view(np.uint16)
     size = min(x.size, max(expect, 1024))
     while True:
         positions = np.empty(size, dtype=np.int64)
         keys = np.empty(size, dtype=layout.bits)
-        count = _scan(bits, layout.mask, floor, positions, keys)
+        count = _sweep(x, bits, fresh, widen, layout.bits(layout.mask), layout.bits(floor), positions, keys)
+        passes.book("candidates", x.size * (1 if fresh is None else 2), 0 if fresh is None else x.size)
         if count <= size:
             return positions[:count], keys[:count]
-        size = count
+        size, fresh, widen = count, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def widening_table(dtype: np.dtype) -> np.ndarray:
+    """The float32 value of every bit pattern of a 16-bit float ``dtype``: widening
+    by lookup, which Numba can do for float16 and bfloat16 alike."""
+    return np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
 
 
 def finite_stats(x: np.ndarray, layout: FloatLayout) -> tuple[float, float]:
@@ -154,12 +200,13 @@ def finite_stats(x: np.ndarray, layout: FloatLayout) -> tuple[float, float]:
         a = np.abs(x[np.isfinite(x)], dtype=np.float32)
         return (float(a.mean(dtype=np.float64)), float(a.max())) if a.size else (0.0, 0.0)
     total, top, finite = _finite_stats(x, x.view(layout.bits), layout.mask, layout.inf_key)
+    passes.book("finite stats", x.size)
     if finite == 0:
         return 0.0, 0.0
     return total / finite, float(np.array(top, dtype=layout.bits).view(x.dtype))
 
 
-def sample_floors(x: np.ndarray, layout: FloatLayout, k: int):
+def sample_floors(x: np.ndarray, layout: FloatLayout, k: int, sample: np.ndarray | None = None):
     """Ever lower key floors, each likelier to have ``>= k`` entries at or above it.
 
     The first is a high-confidence lower bound on the k-th largest key read off
@@ -167,10 +214,13 @@ def sample_floors(x: np.ndarray, layout: FloatLayout, k: int):
     deviations), so one candidate pass nearly always suffices and keeps about
     1-2k candidates. Structured data can fool a sample; each further floor
     admits eight times as many sample entries, and the last admits everything.
+    ``sample``: ``x[sample_step(x.size)]`` as it will be, where ``x`` is still
+    to be summed by the sweep that searches it.
     """
     n = x.size
-    step = max(1, n // SAMPLE)
-    keys = x[::step].view(layout.bits) & layout.bits(layout.mask)
+    if sample is None:
+        sample = x[sample_step(n)]
+    keys = sample.view(layout.bits) & layout.bits(layout.mask)
     m = keys.size
     expected = k * m / n
     rank = int(expected + 4.0 * math.sqrt(expected)) + 4
@@ -178,6 +228,11 @@ def sample_floors(x: np.ndarray, layout: FloatLayout, k: int):
         yield int(kth_key(keys, rank)), rank * n // m
         rank *= 8
     yield 0, n
+
+
+def sample_step(n: int) -> slice:
+    """The strided positions of the sample of a vector of ``n``."""
+    return slice(None, None, max(1, n // SAMPLE))
 
 
 def candidates_from(x: np.ndarray, layout: FloatLayout, k: int, floors) -> tuple[np.ndarray, np.ndarray]:
