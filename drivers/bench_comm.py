@@ -20,6 +20,9 @@ between nodes (ring model, see spar_comm.collectives.channel).
 ``--deadlines both`` measures each allreducer with its waits' deadlines
 (SPAR_COMM_TIMEOUT) and without, alternately in the same rounds: what a
 deadline costs a healthy call.
+``--count-passes`` adds the passes over memory one more call of each makes:
+reads and writes of full-length arrays, in vectors of the gradient's length
+(``spar_comm.bench.passes``), to check against docs/design.md's table.
 ``--device gpu`` puts each rank's gradient on its GPU as a CuPy array (the
 bytes copied through host buffers, when MPI is not CUDA-aware, are in the
 JSON as ``bytes_staged``); ``--device gpu-simulator`` runs that path on the
@@ -45,7 +48,7 @@ from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, make_allreducer, waiting  # noqa: E402
-from spar_comm.bench import record, timing  # noqa: E402
+from spar_comm.bench import passes, record, timing  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.cli import comma_list, density  # noqa: E402
 from spar_comm.collectives.checks import CODECS, DTYPES  # noqa: E402
@@ -95,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--link-counters", metavar="IFACE",
                         help="also count the bytes every host's IFACE sends in one call of each algorithm, "
                              "from /sys/class/net/IFACE/statistics (an emulated cluster's emu0)")
+    parser.add_argument("--count-passes", action="store_true",
+                        help="also count the passes over memory one call of each algorithm makes, after the timed "
+                             "ones: reads and writes of full-length arrays at the kernels' entry points, in vectors "
+                             "of the gradient's length (docs/design.md's table)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.algorithms.split(",")) - set(ALGORITHMS))
@@ -251,7 +258,8 @@ def main() -> int:
         print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
         print("# reads: time and CPU over one read of the gradient by every rank at once, in the same rounds")
         header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'cpu ms':>8} {'reads':>6} " \
-                 f"{'cpu rd':>6} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}"
+                 f"{'cpu rd':>6} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}" \
+                 + (f" {'R pass':>6} {'W pass':>6}" if args.count_passes else "")
         print(header, flush=True)
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
@@ -262,8 +270,13 @@ def main() -> int:
         deadlines = {"on": [True], "off": [False], "both": [True, False]}[args.deadlines]
         measured, read = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer, deadlines)
         modes = [(algorithm, on) for algorithm in args.algorithms for on in deadlines]
+        sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
+        if args.count_passes:
+            out = topology.memory.xp.empty_like(grad)
+            counts = [passes.counted_call(reducer, send, out) for reducer, send in zip(reducers, sends)]
+            for figures, counted in zip(measured, [counted for counted in counts for _ in deadlines]):
+                figures["pass_reads"], figures["pass_writes"] = counted["reads"], counted["writes"]
         if args.link_counters:
-            sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
             counts = link_bytes(reducers, sends, topology.memory.xp.empty_like(grad), counter)
             for figures, count in zip(measured, [count for count in counts for _ in deadlines]):
                 figures["link_bytes"] = count
@@ -281,7 +294,9 @@ def main() -> int:
                 print(f"{size:>10} {name:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
                       f"{row['cpu_median'] * 1e3:8.3f} {row['time_reads']:6.2f} {row['cpu_reads']:6.2f} "
                       f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
-                      f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}", flush=True)
+                      f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}"
+                      + (f" {row['pass_reads']:6.2f} {row['pass_writes']:6.2f}" if args.count_passes else ""),
+                      flush=True)
         if lead and args.out:
             record.write_record(args.out, meta, results=results)
     return 0

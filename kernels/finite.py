@@ -11,6 +11,8 @@ import ml_dtypes
 import numba
 import numpy as np
 
+from . import passes
+
 _EXPONENT = {
     np.dtype(np.float16): (np.uint16, 0x7C00),
     np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
@@ -31,4 +33,5 @@ def all_finite(x: np.ndarray) -> bool:
     """True when no entry of the contiguous float array ``x`` is NaN or Inf."""
     unsigned, mask = _EXPONENT[x.dtype]
     mask = unsigned(mask)
+    passes.book("finite", x.size)
     return bool(_largest_exponent(x.reshape(-1).view(unsigned), mask) != mask)

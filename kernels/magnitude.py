@@ -18,15 +18,19 @@ value (whose two's-complement ``abs`` wraps to itself, i.e. ``2**(w-1)``).
 
 The hot loop over the full array is compiled with Numba: one branchy pass that
 writes candidate positions is about as fast as a plain reduction over memory,
-where NumPy needs three passes (``abs``, compare, ``flatnonzero``).
+where NumPy needs three passes (``abs``, compare, ``flatnonzero``). Its twin
+``_sweep`` adds error feedback's fresh values in the same pass (``fused.py``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import numba
 import numpy as np
+
+from . import passes
 
 #: Entries per strided sample used to estimate where the k-th magnitude lies.
 SAMPLE = 1 << 15
@@ -58,6 +62,7 @@ def float_layout(dtype: np.dtype) -> FloatLayout | None:
 def magnitude_keys(x: np.ndarray) -> np.ndarray:
     """Keys of every entry (a new array): unsigned, ordered as the magnitudes."""
     layout = float_layout(x.dtype)
+    passes.book("keys", x.size, x.size)
     if layout is not None:
         keys = native(x).view(layout.bits) & layout.bits(layout.mask)
         return canonical_nan(keys, layout)
@@ -113,6 +118,52 @@ def _scan(bits, mask, floor, positions, keys):  # pragma: no cover - compiled
     return count
 
 
+#: Entries a sweep adds and tests at once: small enough that at density 0.001
+#: most blocks hold no candidate and are passed over after one vectorised maximum.
+BLOCK = 256
+
+
+@numba.njit(nogil=True, cache=True)
+def _sweep(values, bits, fresh, widen, mask, floor, positions, keys):  # pragma: no cover - compiled
+    """``_scan`` of ``values`` after adding ``fresh`` into it (widened through
+    the table ``widen`` when given). ``bits`` is a view of ``values``.
+
+    Block by block, so that the add and the largest key vectorise (a plain
+    branch per entry, as in ``_scan``, kept the add from vectorising and cost
+    more than the pass it saved), and only a block that reaches the floor is
+    searched, while it is in cache.
+    """
+    count = 0
+    capacity = positions.size
+    for start in range(0, values.size, BLOCK):
+        stop = min(start + BLOCK, values.size)
+        _add(values[start:stop], fresh[start:stop], widen)
+        block = bits[start:stop]
+        largest = block.dtype.type(0)
+        for i in range(block.size):
+            largest = max(largest, block[i] & mask)
+        if largest < floor:
+            continue
+        for i in range(block.size):
+            key = block[i] & mask
+            if key >= floor:
+                if count < capacity:
+                    positions[count] = start + i
+                    keys[count] = key
+                count += 1
+    return count
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _add(values, fresh, widen):  # pragma: no cover - compiled
+    if widen is None:
+        for i in range(values.size):
+            values[i] += fresh[i]
+    else:  # a 16-bit float's bits index the table of their float32 values
+        for i in range(values.size):
+            values[i] += widen[fresh[i]]
+
+
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def _finite_stats(x, bits, mask, inf_key):  # pragma: no cover - compiled
     """Sum of the finite magnitudes, their largest key, and how many are finite.
@@ -132,20 +183,38 @@ def _finite_stats(x, bits, mask, inf_key):  # pragma: no cover - compiled
     return total, top, finite
 
 
-def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int) -> tuple[np.ndarray, np.ndarray]:
-    """Ascending positions and keys of every entry of float array ``x`` with key ``>= floor``.
+def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: np.ndarray | None = None
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending positions and keys of every entry of float array ``x`` with key ``>= floor``;
+    with ``fresh``, ``x += fresh`` first, in the same pass (``fresh`` of x's
+    dtype, or a 16-bit float for a float32 ``x``, widened exactly).
 
-    ``expect`` sizes the output; a second pass runs only when it was too small.
+    ``expect`` sizes the output; a second pass, never adding again, runs only when it was too small.
     """
     bits = x.view(layout.bits)
+    widen = None
+    if fresh is not None and fresh.dtype != x.dtype:
+        widen = widening_table(fresh.dtype)
+        fresh = fresh.view(np.uint16)
     size = min(x.size, max(expect, 1024))
     while True:
         positions = np.empty(size, dtype=np.int64)
         keys = np.empty(size, dtype=layout.bits)
-        count = _scan(bits, layout.mask, floor, positions, keys)
+        if fresh is None:
+            count = _scan(bits, layout.mask, floor, positions, keys)
+        else:
+            count = _sweep(x, bits, fresh, widen, layout.bits(layout.mask), layout.bits(floor), positions, keys)
+        passes.book("candidates", x.size * (1 if fresh is None else 2), 0 if fresh is None else x.size)
         if count <= size:
             return positions[:count], keys[:count]
-        size = count
+        size, fresh, widen = count, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def widening_table(dtype: np.dtype) -> np.ndarray:
+    """The float32 value of every bit pattern of a 16-bit float ``dtype``: widening
+    by lookup, which Numba can do for float16 and bfloat16 alike."""
+    return np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
 
 
 def finite_stats(x: np.ndarray, layout: FloatLayout) -> tuple[float, float]:
@@ -154,12 +223,13 @@ def finite_stats(x: np.ndarray, layout: FloatLayout) -> tuple[float, float]:
         a = np.abs(x[np.isfinite(x)], dtype=np.float32)
         return (float(a.mean(dtype=np.float64)), float(a.max())) if a.size else (0.0, 0.0)
     total, top, finite = _finite_stats(x, x.view(layout.bits), layout.mask, layout.inf_key)
+    passes.book("finite stats", x.size)
     if finite == 0:
         return 0.0, 0.0
     return total / finite, float(np.array(top, dtype=layout.bits).view(x.dtype))
 
 
-def sample_floors(x: np.ndarray, layout: FloatLayout, k: int):
+def sample_floors(x: np.ndarray, layout: FloatLayout, k: int, sample: np.ndarray | None = None):
     """Ever lower key floors, each likelier to have ``>= k`` entries at or above it.
 
     The first is a high-confidence lower bound on the k-th largest key read off
@@ -167,10 +237,13 @@ def sample_floors(x: np.ndarray, layout: FloatLayout, k: int):
     deviations), so one candidate pass nearly always suffices and keeps about
     1-2k candidates. Structured data can fool a sample; each further floor
     admits eight times as many sample entries, and the last admits everything.
+    ``sample``: ``x[sample_step(x.size)]`` as it will be, where ``x`` is still
+    to be summed by the sweep that searches it.
     """
     n = x.size
-    step = max(1, n // SAMPLE)
-    keys = x[::step].view(layout.bits) & layout.bits(layout.mask)
+    if sample is None:
+        sample = x[sample_step(n)]
+    keys = sample.view(layout.bits) & layout.bits(layout.mask)
     m = keys.size
     expected = k * m / n
     rank = int(expected + 4.0 * math.sqrt(expected)) + 4
@@ -178,6 +251,11 @@ def sample_floors(x: np.ndarray, layout: FloatLayout, k: int):
         yield int(kth_key(keys, rank)), rank * n // m
         rank *= 8
     yield 0, n
+
+
+def sample_step(n: int) -> slice:
+    """The strided positions of the sample of a vector of ``n``."""
+    return slice(None, None, max(1, n // SAMPLE))
 
 
 def candidates_from(x: np.ndarray, layout: FloatLayout, k: int, floors) -> tuple[np.ndarray, np.ndarray]:

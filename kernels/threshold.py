@@ -101,15 +101,22 @@ class ThresholdWarm(Threshold):
 
     def __call__(self, x: np.ndarray, k: int) -> np.ndarray:
         check_input(x, k)
-        layout = float_layout(x.dtype)
-        previous = self.threshold
-        if layout is None or previous is None or not 0.0 < previous < np.inf:
+        floor = self.warm_floor(x.dtype)
+        if floor is None:
             return super().__call__(x, k)
-        floor = int(np.array(previous * self.margin, dtype=x.dtype.newbyteorder("=")).view(layout.bits))
         result = select(x, k, [(floor, 2 * k)])
         self.threshold = key_to_value(result.key, x.dtype)
         self.margin = adapted_margin(self.margin, result.key, floor, result.candidates, k)
         return result.positions
+
+    def warm_floor(self, dtype: np.dtype) -> Optional[int]:
+        """The key this call's search starts from, ``margin`` times the last
+        k-th magnitude; None before there is one (or for integers)."""
+        layout = float_layout(dtype)
+        previous = self.threshold
+        if layout is None or previous is None or not 0.0 < previous < np.inf:
+            return None
+        return int(np.array(previous * self.margin, dtype=np.dtype(dtype).newbyteorder("=")).view(layout.bits))
 
 
 def checked_margin(margin: float) -> float:

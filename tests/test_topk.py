@@ -210,3 +210,29 @@ def test_bad_options_and_methods():
         make_selector("threshold_warm", margin=1.5)
     with pytest.raises(TypeError):
         make_selector("threshold", N=3)
+
+
+@pytest.mark.parametrize("method", EXACT)
+@pytest.mark.parametrize("fresh_dtype", ["float32", "float16", "bfloat16"])
+def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(method, fresh_dtype):
+    """``add_and_select`` leaves the sum's bits in ``values`` and picks the
+    contract set of the sum, whether the floor it swept from was right, too
+    high (a warm start above the k-th key: the selector searches the sum)
+    or too low (more candidates than expected: the sweep's count sizes a
+    second, read-only pass); a 16-bit ``fresh`` is widened exactly."""
+    import ml_dtypes  # noqa: F401  (bfloat16)
+
+    from spar_comm.kernels import add_and_select
+
+    rng = np.random.default_rng(41)
+    k = LARGE // 1000
+    selector = make_selector(method)
+    values = rng.standard_normal(LARGE).astype(np.float32)
+    for scale in (1.0, 2.0**-10, 2.0**12, 1.0):  # a floor as found, then far above, then far below the k-th key
+        values *= scale  # exact: a power of two
+        fresh = (rng.standard_normal(LARGE) * scale).astype(fresh_dtype)
+        total = values + fresh.astype(np.float32)
+        chosen = add_and_select(selector, values, fresh, k)
+        assert values.tobytes() == total.tobytes()
+        assert np.array_equal(chosen, contract_set(total, k))
+        values[chosen] = 0  # as error feedback forgets what was sent

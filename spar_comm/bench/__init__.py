@@ -1,6 +1,6 @@
 """What the benchmark drivers share, so that each of drivers/ stays a command
 line: timing across ranks (``timing``), the JSON record every tool writes
-(``record``), and the pure parts of individual benchmarks that tests check
+(``record``), the passes over memory a call makes (``passes``), and the pure parts of individual benchmarks that tests check
 without running them (``accuracy``, ``cluster``, ``resources``, ``gpu_report``,
 ``peers``).
 

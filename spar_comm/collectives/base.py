@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from .. import waiting
 from ..consensus import raise_if_any, require_same
+from ..kernels import passes
 from ..launch import abort_job
 from ..topology import Topology
 from .channel import Channel
@@ -183,6 +184,8 @@ class Allreducer:
         """The result array: the caller's ``out`` or a new one, zero-filled when
         the algorithm writes only some positions."""
         out = self._out
+        if zeroed:
+            passes.book("zero-fill", 0, self.size)
         if out is None:
             return self.xp.zeros(self.size, self.dtype) if zeroed else self.xp.empty(self.size, self.dtype)
         if zeroed:
@@ -203,6 +206,7 @@ class Allreducer:
         zero, so the bits are the same)."""
         if positions.size > WHOLE_PASS_BEYOND * region.size:
             self.averaged(region)
+            passes.book("average", region.size, region.size)
         else:
             region[positions] = self.averaged(region[positions])
 
@@ -270,9 +274,12 @@ class Allreducer:
                 self._out = out
                 result = self._reduce(grad)
             else:
-                self._wide[...] = grad
+                if not self.widens_in_sweep:
+                    self._wide[...] = grad
+                    passes.book("widen", grad.size, grad.size)
+                    grad = self._wide
                 self._out = self._wide
-                result = self._narrowed(self._reduce(self._wide), out)
+                result = self._narrowed(self._reduce(grad), out)
             self._out = None  # the caller's buffer is not kept between calls
         except BaseException:
             # Inputs were checked on every rank, so this is a failure of this rank
@@ -285,6 +292,12 @@ class Allreducer:
             self.last["threshold"] = 0.0
         self.last["t_total"] = self.memory.now() - start
         return given_out if given_out is not None else back(result)
+
+    @property
+    def widens_in_sweep(self) -> bool:
+        """Whether ``_reduce`` takes a 16-bit gradient as it is and widens it where
+        it reads it (error feedback's sweep), instead of from a widened copy."""
+        return False
 
     @property
     def keeps_residual(self) -> bool:
@@ -348,6 +361,7 @@ class Allreducer:
 
     def _narrowed(self, wide: Any, out: Any) -> Any:
         """The float32 result rounded to the gradient's dtype, into ``out`` if given."""
+        passes.book("narrow", wide.size, wide.size)
         if out is None:
             return wide.astype(self.grad_dtype)
         out[...] = wide

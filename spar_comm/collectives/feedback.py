@@ -19,6 +19,9 @@ from typing import Any, Tuple
 
 import numpy as np
 
+from .. import kernels
+from ..kernels import passes
+
 
 @dataclass
 class Residual:
@@ -50,13 +53,23 @@ class ErrorFeedback:
     def residual(self) -> Any:
         return self.state.values
 
-    def add(self, fresh: Any) -> Any:
-        """``fresh`` plus the residual, summed into the residual (the array to
+    def add(self, fresh: Any, part: slice = slice(None)) -> Any:
+        """``fresh`` plus the residual's ``part``, summed into it (the array to
         compress from); with feedback off, ``fresh`` itself, left untouched."""
         if not self.on:
             return fresh
-        self.state.values += fresh
-        return self.state.values
+        acc = self.state.values[part]
+        acc += fresh
+        passes.book("feedback add", 2 * fresh.size, fresh.size)
+        return acc
+
+    def add_and_select(self, fresh: Any, selector: kernels.Selector, k: int, part: slice = slice(None)) -> Any:
+        """``add`` of ``fresh`` into the residual's ``part`` (feedback on, host
+        arrays), with ``selector``'s candidate pass riding on the add's sweep
+        (``kernels.add_and_select``): the residual ends as ``add`` leaves it,
+        and the positions within ``part`` that ``selector`` picks from it come back.
+        A 16-bit ``fresh`` is widened in the same sweep."""
+        return kernels.add_and_select(selector, self.state.values[part], fresh, k)
 
     def rescale(self, factor: float) -> None:
         """Multiply the residual by ``factor``: the gradients it is added to

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import sorted_distinct
+from ..kernels import passes, sorted_distinct
 from ..topology import shard_bounds
 from .base import WHOLE_PASS_BEYOND, Allreducer
 
@@ -47,18 +47,25 @@ class HiTopKAllreducer(Allreducer):
         self.feedback.cover(self.lo, self.hi)
         self._written = self.xp.zeros(0, dtype=np.int64)  # the positions of the node's region the last call wrote
 
+    @property
+    def widens_in_sweep(self) -> bool:
+        return self.local.size == 1 and self.feedback.on and self.memory.in_host_memory
+
     def _reduce(self, grad: Any) -> Any:
-        acc = self._node_sum_with_residual(grad)
-        picks = [site.topk(acc[site.lo : site.hi]) for site in self.sites]
-        if self.local.size == 1:  # this rank is its node: sum straight into the output, as topka does
+        if self.local.size == 1:  # this rank is its node: its residual takes grad as topka's does
+            picks = [site.topk.add_and_pick(grad[site.lo : site.hi], slice(site.lo, site.hi)) for site in self.sites]
+            acc = self.feedback.residual if self.feedback.on else grad
             out = self.output(zeroed=True)  # grad (perhaps ``out``) was read for the last time above
             touched = self._exchange(picks, out, acc)
             self.averaged_at(out, touched)
             return out
+        acc = self._node_sum_with_residual(grad)
+        picks = [site.topk(acc[site.lo : site.hi]) for site in self.sites]
         gather = self.allgather
         reduced = gather.region  # zero but where the last call wrote
         if self._written.size > WHOLE_PASS_BEYOND * reduced.size:  # as in averaged_at
             reduced.fill(0)
+            passes.book("zero-fill", 0, reduced.size)
         else:
             reduced[self._written] = 0
         touched = self._exchange(picks, reduced, acc)
@@ -79,8 +86,6 @@ class HiTopKAllreducer(Allreducer):
 
     def _node_sum_with_residual(self, grad: Any) -> Any:
         """My region of the node's sum plus my residual (the array to select from)."""
-        if self.local.size == 1:  # a lone rank of its node holds its node's sum already
-            return self.feedback.add(grad)
         if self.error_feedback:  # summed straight into the residual: one pass fewer
             self.reduce_scatter(grad, self.feedback.residual, accumulate=True)
             return self.feedback.residual

@@ -34,6 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import waiting
+from ..kernels import passes
 from .channel import Channel, displacements
 from .pairs import PairLayout
 
@@ -75,6 +76,7 @@ def sum_parts(parts: Sequence[np.ndarray], out: np.ndarray, accumulate: bool = F
 
     Chunk by chunk, so the partial sum stays in cache: one pass over memory
     instead of one per part (the bits are those of summing whole arrays)."""
+    passes.book("node sum", sum(part.size for part in parts) + (out.size if accumulate else 0), out.size)
     chunk = np.empty(min(SUM_CHUNK, out.size), out.dtype)
     for lo in range(0, out.size, SUM_CHUNK):
         hi = min(lo + SUM_CHUNK, out.size)
@@ -184,6 +186,7 @@ class SharedReduceScatter:
                 if owner != me and n:
                     first = self.offsets[owner] + lo
                     self.slots[me][h, _row(owner, me), :n] = send[first : first + n]
+                    passes.book("node copy in", n, n)
             self.window.fence()
             n = min(self.piece, max(0, self.counts[me] - lo))
             if n:
@@ -227,6 +230,7 @@ class BufferedReduceScatter:
             for owner in range(g):
                 if owner != me:
                     self.buffer[shards[owner]] = send[shards[owner]]
+            passes.book("node copy in", send.size - self.counts[me], send.size - self.counts[me])
         self.window.fence()
         parts = [send[shards[me]] if r == me else self.window.segments[r][shards[me]] for r in range(g)]
         sum_parts(parts, recv, accumulate)
@@ -259,6 +263,7 @@ class SharedAllgather:
         self.window.fence()
         for segment, first, n in zip(self.window.segments, self.offsets, self.counts):
             out[first : first + n] = segment[:n]
+        passes.book("node copy out", out.size, out.size)
         self.channel.book(start, (self.channel.size - 1) * self.region.nbytes)
 
     def free(self) -> None:

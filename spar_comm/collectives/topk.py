@@ -40,7 +40,22 @@ class TopK:
         if self.k == 0:  # an empty shard (fewer elements than shards)
             return self.memory.xp.zeros(0, dtype=np.int64), acc[:0].copy()
         start = self.memory.now()
-        indices = self.selector(acc, self.k)
+        return self._picked(acc, self.selector(acc, self.k), start)
+
+    def add_and_pick(self, fresh: Any, part: slice = slice(None)) -> Tuple[Any, Any]:
+        """Error feedback's ``add`` of ``fresh`` into the residual's ``part``, then
+        ``self`` of that part: on the host in one sweep over both arrays
+        (``ErrorFeedback.add_and_select``), where the add and the selection's
+        candidate pass would each read the residual; a 16-bit ``fresh`` is
+        widened there too. Its time counts as selection."""
+        if not (self.feedback.on and self.memory.in_host_memory and self.k):
+            return self(self.feedback.add(fresh, part))
+        start = self.memory.now()
+        indices = self.feedback.add_and_select(fresh, self.selector, self.k, part)
+        return self._picked(self.feedback.residual[part], indices, start)
+
+    def _picked(self, acc: Any, indices: Any, start: float) -> Tuple[Any, Any]:
+        """(indices, values) of the picks, forgotten by error feedback and booked."""
         values = acc[indices]
         self.feedback.forget(acc, indices)
         self.ledger["t_select"] += self.memory.now() - start

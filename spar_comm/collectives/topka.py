@@ -22,10 +22,13 @@ class TopKAllgatherAllreducer(Allreducer):
         self.exchange = self.pair_exchange(self.world, self.topk.k, self.size)
         self.feedback.cover(0, self.size)
 
+    @property
+    def widens_in_sweep(self) -> bool:
+        return self.feedback.on and self.memory.in_host_memory
+
     def _reduce(self, grad: Any) -> Any:
-        acc = self.feedback.add(grad)
-        indices, values = self.topk(acc)
+        indices, values = self.topk.add_and_pick(grad)
         out = self.output(zeroed=True)
-        touched = self.exchange(indices, values, out, acc)
+        touched = self.exchange(indices, values, out, self.feedback.residual)
         self.averaged_at(out, touched)
         return out

@@ -1,0 +1,53 @@
+"""Error feedback's add and a selection's candidate pass in one sweep.
+
+A compressor with error feedback adds the fresh gradient into the residual
+(read both, write the residual) and then selects from the sum, whose
+candidate pass reads it all again. Here the candidate pass rides on the
+add: the selector names the floor before the sum exists (its warm start,
+or a strided sample of the sum to be, which costs a few thousand adds), the
+sweep adds and collects every entry at or above the floor, and the selector
+picks among those candidates alone. They hold every entry at or above the
+k-th largest key whenever at least k came back, so an exact selector picks
+the same positions, ties included, as from the whole sum; when fewer came
+back the selector searches the sum itself, as it would have.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import passes
+from .magnitude import SAMPLE, float_layout, sample_floors, sample_step, scan
+from .selection import Selector
+
+
+def add_and_select(selector: Selector, values: np.ndarray, fresh: np.ndarray, k: int) -> np.ndarray:
+    """``values += fresh`` (a 16-bit float ``fresh`` widened exactly to the
+    float32 ``values``), then the positions ``selector`` picks from the sum:
+    the same as ``values += fresh; selector(values, k)``, in one sweep over
+    both arrays where the selector ranks candidates (``values`` a float array
+    of over ``4 * SAMPLE`` entries and ``k`` below its length)."""
+    n = values.size
+    layout = float_layout(values.dtype)
+    if layout is None or n <= 4 * SAMPLE or k >= n:  # a small vector: its selectors rank every key anyway
+        values += fresh.astype(values.dtype, copy=False)
+        passes.book("feedback add", 2 * n, n)
+        return selector(values, k)
+    floor, expect = first_floor(selector, values, fresh, k)
+    positions, _ = scan(values, layout, floor, 2 * expect, fresh)
+    if positions.size < k:  # the floor was above the k-th key: the selector searches the sum
+        return selector(values, k)
+    return positions[selector(values[positions], k)]
+
+
+def first_floor(selector: Any, values: np.ndarray, fresh: np.ndarray, k: int) -> tuple:
+    """The key floor the sweep collects from and how many it expects: the
+    selector's warm start where it keeps one, else the sample floor of the sum to be."""
+    warm = getattr(selector, "warm_floor", None)
+    floor = warm(values.dtype) if warm is not None else None
+    if floor is not None:
+        return floor, k
+    step = sample_step(values.size)
+    sample = values[step] + fresh[step].astype(values.dtype)
+    return next(sample_floors(values, float_layout(values.dtype), k, sample))

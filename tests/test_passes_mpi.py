@@ -1,0 +1,85 @@
+"""The fused sweep (error feedback's add and the selection's candidate pass
+in one pass over memory) against the serial reference, on vectors long
+enough to take it; and the passes one call makes against the table in
+docs/design.md."""
+from __future__ import annotations
+
+import re
+
+import ml_dtypes  # noqa: F401  (bfloat16)
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import ROOT
+from mpi_helpers import assert_all, assert_identical_bits
+from reference import Reference
+from spar_comm import Topology, make_allreducer
+from spar_comm.bench.passes import counted_call
+from spar_comm.kernels.magnitude import SAMPLE
+
+COMM = MPI.COMM_WORLD
+#: Past ``4 * SAMPLE`` the selectors search candidates instead of every key; so
+#: does each half of this on a node of 2, and each of 2 shards a lone rank of 3 at 2 a node owns.
+N = 8 * SAMPLE + 4099
+DENSITY = 0.001
+#: Each step's gradients scaled by a power of two (exact): a fall of 2^-8 puts a
+#: warm start's floor above the k-th key, a rise of 2^8 fills its candidates past what it expected.
+SCALES = (1.0, 2.0**-8, 2.0**8, 1.0)
+
+
+def grads(step: int, p: int, dtype) -> list:
+    """Every rank's gradient: multiples of 2**-4 below 2**4 in magnitude, scaled by
+    a power of two, exact in every dtype, and every float32 sum of them over ranks and steps exact."""
+    rng = np.random.default_rng([29, step])
+    return [(rng.integers(-256, 256, N) * 2.0**-4 * SCALES[step]).astype(dtype) for _ in range(p)]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["topka", "hitopk"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("selector", ["mstopk", "threshold_warm", "exact"])
+def test_the_sweep_matches_the_serial_reference(topology, algorithm, dtype, selector):
+    p, rank = COMM.size, COMM.rank
+    wide = "float64" if dtype == "float64" else "float32"
+    reducer = make_allreducer(algorithm, topology, N, dtype, density=DENSITY, selector=selector)
+    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, N, wide, DENSITY)
+    for step in range(len(SCALES)):
+        given = grads(step, p, dtype)
+        out = reducer.allreduce(given[rank])
+        expected = ref.step([g.astype(wide) for g in given]).astype(dtype)
+        assert_all(COMM, out.tobytes() == expected.tobytes(), f"step {step}: output differs from the reference")
+        assert_all(COMM, reducer.residual_full().tobytes() == ref.residuals[rank].tobytes(),
+                   f"step {step}: residual differs from the reference")
+        assert_identical_bits(COMM, out, "output")
+    reducer.free()
+
+
+def design_table() -> dict:
+    """The rows of docs/design.md's passes table: (algorithm, ranks per node,
+    selector) -> (reads, writes)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text[text.index("| algorithm | ranks per node | selector |"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")]
+        rows[cells[0], int(cells[1]), cells[2]] = (float(cells[-2]), float(cells[-1]))
+    return rows
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("row", sorted(design_table()), ids=lambda row: "-".join(map(str, row)))
+def test_a_call_makes_the_passes_the_design_table_states(row):
+    algorithm, ranks_per_node, selector = row
+    if COMM.size % ranks_per_node or COMM.size > 2:
+        pytest.skip(f"the table's layouts are of 1 and 2 ranks; this world has {COMM.size}")
+    topology = Topology(ranks_per_node=ranks_per_node)
+    reducer = make_allreducer(algorithm, topology, N, density=DENSITY, selector=selector, shared_buffer=True)
+    grad = reducer.buffer
+    grad[...] = np.random.default_rng([31, COMM.rank]).standard_normal(N)  # few ties: the sample floor holds
+    counted = counted_call(reducer, grad, np.empty_like(grad))
+    stated = design_table()[row]
+    assert_all(COMM, (counted["reads"], counted["writes"]) == pytest.approx(stated, abs=0.01),  # N is odd
+               f"counted {counted}, the table says {stated}")
+    reducer.free()
+    topology.free()
