@@ -12,12 +12,13 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 import contextlib
+import functools
 import shutil
 import subprocess
 import threading
 import traceback
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import pytest
@@ -57,6 +58,25 @@ def emulated_cluster(hosts: int, ranks_per_host: int, prefix: str) -> Iterator[e
         yield emucluster.up(emucluster.ClusterSpec(hosts, ranks_per_host, "1gbit", "0us", prefix))
     finally:
         emucluster.down(prefix)
+
+
+@functools.lru_cache(maxsize=None)
+def emulated_cluster_unavailable() -> Optional[str]:
+    """Why no emulated cluster can run here (no root or namespaces, or no MPICH), else None."""
+    try:
+        emucluster.require_hydra(emucluster.default_mpiexec())
+    except emucluster.EmuClusterError as error:
+        return str(error)
+    return emucluster.available()
+
+
+def two_emulated_hosts(prefix: str) -> Iterator[emucluster.ClusterSpec]:
+    """A fixture's body: 2 emulated hosts of 1 rank (``emulated_cluster``), or the test skipped where none can run."""
+    reason = emulated_cluster_unavailable()
+    if reason is not None:
+        pytest.skip(f"no emulated cluster here: {reason}")
+    with emulated_cluster(2, 1, prefix) as spec:
+        yield spec
 
 
 def find_mpiexec() -> str:

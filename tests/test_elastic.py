@@ -23,10 +23,9 @@ from typing import List
 
 import pytest
 
-from conftest import ROOT, emulated_cluster
+from conftest import ROOT, two_emulated_hosts
 from shm_cleanup import mpi_segments, orphaned_segments
 from spar_comm import emucluster, waiting
-from test_emucluster import REASON as EMU_REASON
 
 EMU_PREFIX = "spe"  # not the default, so a user's own cluster is never touched
 PORT = 29511
@@ -39,10 +38,7 @@ MARK = "SPAR_COMM_ELASTIC_TEST"
 
 @pytest.fixture
 def hosts():
-    if EMU_REASON is not None:
-        pytest.skip(f"no emulated cluster here: {EMU_REASON}")
-    with emulated_cluster(2, 1, EMU_PREFIX) as spec:
-        yield spec
+    yield from two_emulated_hosts(EMU_PREFIX)
 
 
 class Agent:

@@ -10,20 +10,11 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from conftest import ROOT, emulated_cluster
+from conftest import ROOT, emulated_cluster, emulated_cluster_unavailable
 from spar_comm import emucluster
 
 
-def unavailable():
-    """Why no emulated cluster can run here (no root or namespaces, or no MPICH), else None."""
-    try:
-        emucluster.require_hydra(emucluster.default_mpiexec())
-    except emucluster.EmuClusterError as error:
-        return str(error)
-    return emucluster.available()
-
-
-REASON = unavailable()
+REASON = emulated_cluster_unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 PREFIX = "spt"  # not the default, so a user's own cluster is never touched
 

@@ -18,10 +18,9 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import ROOT, emulated_cluster
+from conftest import ROOT, two_emulated_hosts
 from shm_cleanup import mpi_segments, orphaned_segments
 from spar_comm import emucluster, waiting
-from test_emucluster import REASON as EMU_REASON
 from test_train_runs import FAST, _wait_for_steps, datasets, mpi_command, run_train
 
 #: SPAR_COMM_TIMEOUT of the jobs, seconds.
@@ -262,10 +261,7 @@ EMU_PREFIX = "spx"  # not the default, so a user's own cluster is never touched
 
 @pytest.fixture
 def hosts():
-    if EMU_REASON is not None:
-        pytest.skip(f"no emulated cluster here: {EMU_REASON}")
-    with emulated_cluster(2, 1, EMU_PREFIX) as spec:
-        yield spec
+    yield from two_emulated_hosts(EMU_PREFIX)
 
 
 def emulated_run(tmp_path: Path) -> tuple:
