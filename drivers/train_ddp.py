@@ -2,7 +2,8 @@
 """A plain DistributedDataParallel script whose gradients spar_comm reduces:
 the lines marked ``# spar_comm`` are the whole change (torch.distributed
 started from whichever launcher ran the script, and the communication hook,
-which reduces over torch.distributed's group).
+which reduces over torch.distributed's group); two more lines, marked
+``# spar_comm checkpoint``, save and resume on any number of ranks.
 
     torchrun --nproc-per-node 4 drivers/train_ddp.py
     mpiexec -n 4 python drivers/train_ddp.py
@@ -18,7 +19,9 @@ the position in the data every ``--checkpoint-every`` steps
 run that finds a committed save there resumes from it
 (``load_checkpoint``), on this number of ranks whatever number saved it: so
 an elastic torchrun that lost a host restarts on the hosts left and goes on.
-The data order is the new world's from the saved epoch's position.
+The data order is the new world's from the saved epoch's position. A run
+resumed from its last step (a worker that died at exit, after its work)
+has nothing left to train, and ends as it would have.
 
 ``--device gpu-simulator`` runs the hook's GPU path on CPU tensors under
 numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1), for tests. The last line
@@ -82,7 +85,7 @@ def main():
     progress = {"step": 0, "epoch": 0, "batch": 0, "world_size": world}
     saved = {"train": Trainer(ddp, optimizer), "hook": hook_state, "progress": progress}
     if args.checkpoint:
-        resumed = sct.load_checkpoint(saved, args.checkpoint)                        # spar_comm
+        resumed = sct.load_checkpoint(saved, args.checkpoint)             # spar_comm checkpoint
         if resumed is not None:
             progress = saved["progress"]
             if torch.distributed.get_rank() == 0:
@@ -92,6 +95,7 @@ def main():
     started = time.perf_counter()
     for epoch in range(first_epoch, args.epochs):
         sampler.set_epoch(epoch)
+        loss = None  # until a step of this epoch ran
         for batch, (xb, yb) in enumerate(loader):
             if epoch == first_epoch and batch < skip:
                 continue
@@ -102,10 +106,10 @@ def main():
             step += 1
             if args.checkpoint and step % args.checkpoint_every == 0:
                 saved["progress"] = {"step": step, "epoch": epoch, "batch": batch + 1, "world_size": world}
-                sct.save_checkpoint(saved, args.checkpoint, step)                    # spar_comm
+                sct.save_checkpoint(saved, args.checkpoint, step)         # spar_comm checkpoint
         with torch.no_grad():
             accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-        if torch.distributed.get_rank() == 0:
+        if torch.distributed.get_rank() == 0 and loss is not None:
             print(f"epoch {epoch + 1:3d}  loss {loss.item():.4f}  held-out accuracy {accuracy:.4f}", flush=True)
     staged = sum(bucket.reducer.last["bytes_staged"] for bucket in hook_state.buckets.values())
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
