@@ -62,3 +62,10 @@ def uncovered(spans: Sequence[Span], size: int) -> List[Span]:
             gaps.append((reached, lo))
         reached = max(reached, hi)
     return gaps + ([(reached, size)] if reached < size else [])
+
+
+def lost(spans: Sequence[Span], size: int, saved: Sequence[Span], read: Callable[[int], np.ndarray],
+         dtype: np.dtype) -> List[Span]:
+    """The ranges that no new span covers where the ``saved`` residuals hold
+    values: what a resume on ``spans`` would drop."""
+    return [gap for gap in uncovered(spans, size) if total_over(gap, saved, read, dtype).any()]

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spar_comm.redistribute import kept_by, redistributed, total_over, uncovered
+from spar_comm.redistribute import kept_by, lost, redistributed, total_over, uncovered
 
 
 def spans_of(size: int, node_sizes: list, sharded: bool) -> list:
@@ -69,3 +69,10 @@ def test_uncovered_ranges():
     assert uncovered([(2, 4), (0, 3)], 6) == [(4, 6)]
     assert uncovered([(0, 6)], 6) == []
     assert uncovered([(1, 2), (4, 5)], 6) == [(0, 1), (2, 4), (5, 6)]
+
+
+def test_lost_ranges_are_the_uncovered_ones_that_hold_values():
+    saved = [(0, 3), (3, 6)]
+    values = {0: np.array([0.0, 0.0, 1.0], np.float32), 1: np.zeros(3, np.float32)}
+    assert lost([(2, 3)], 6, saved, values.__getitem__, np.dtype(np.float32)) == []  # (0, 2) and (3, 6) hold zeros
+    assert lost([(0, 1), (4, 6)], 6, saved, values.__getitem__, np.dtype(np.float32)) == [(1, 4)]

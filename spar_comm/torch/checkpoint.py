@@ -301,8 +301,7 @@ def _optimizer_share(opt: _DistributedOptimizer, loaded: Dict[str, Any], saved: 
             return by_rank[r][i][1]
 
         dtype = bucket.reducer.residual_state(copy=False)[1].dtype
-        lost = [gap for gap in redistribute.uncovered(new_spans, bucket.reducer.size)
-                if redistribute.total_over(gap, saved_spans, read, dtype).any()]
+        lost = redistribute.lost(new_spans, bucket.reducer.size, saved_spans, read, dtype)
         if lost:
             problem = (f"bucket {i}: this job's allreducer ({bucket.reducer.name}) keeps no residual at {lost}, "
                        "where the saved ones hold values")

@@ -364,8 +364,8 @@ def _redistributed(saved: Saved, path: str, group: Group, spans: List[Tuple[int,
                 whole = [(0, index.size)] * group.size
                 local = redistribute.redistributed(rank, whole, [(0, index.size)] * index.world,
                                                    lambda r: part(r)[1], dtype)
-            kept_nothing = rank == 0 and any(
-                redistribute.total_over(gap, index.spans, lambda r: part(r)[0], dtype).any() for gap in lost)
+            kept_nothing = rank == 0 and bool(redistribute.lost(spans, index.size, index.spans,
+                                                                lambda r: part(r)[0], dtype))
             return residual, local, kept_nothing
 
         residual, local, kept_nothing = agree(group.comm, read)
