@@ -14,17 +14,20 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 import contextlib
 import functools
 import shutil
+import signal
 import subprocess
 import threading
+import time
 import traceback
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpi_helpers import layouts
+from run_mpi import kill_marked
 from shm_cleanup import mpi_segments, remove_mapped_segments, remove_orphaned_segments
 from spar_comm import Topology, emucluster
 
@@ -77,6 +80,30 @@ def two_emulated_hosts(prefix: str) -> Iterator[emucluster.ClusterSpec]:
         pytest.skip(f"no emulated cluster here: {reason}")
     with emulated_cluster(2, 1, prefix) as spec:
         yield spec
+
+
+def torchrun(ranks: int, script: Path, *args: str, env: Optional[dict] = None,
+             limit: float = 90) -> Tuple[subprocess.CompletedProcess, int]:
+    """``script`` under ``torchrun --standalone --nproc-per-node ranks`` (one
+    thread a rank, no WORLD_SIZE inherited, ``env`` added), failed past
+    ``limit`` seconds: the finished run, and how many of its processes were
+    left once it ended (killed then)."""
+    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone",
+               str(script), *args]
+    environment = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1", **(env or {}))
+    environment.pop("WORLD_SIZE", None)
+    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        output, errors = process.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        kill_marked(marker)
+        output, errors = process.communicate()
+        pytest.fail(f"torchrun did not end within {limit} s:\n{output[-2000:]}\n{errors[-2000:]}")
+    left = kill_marked(marker)
+    return subprocess.CompletedProcess(command, process.returncode, output, errors), left
 
 
 def find_mpiexec() -> str:

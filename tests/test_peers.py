@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT
-from run_mpi import kill_marked
+from conftest import ROOT, torchrun
 
 torch = pytest.importorskip("torch")
 from spar_comm.bench import peers  # noqa: E402
@@ -74,16 +69,8 @@ def test_bench_peers_runs_its_modes_over_torch_under_torchrun(tmp_path):
     """No MPI launch: the modes over torch.distributed's group on 2 emulated
     nodes of 1, the same bytes as over MPI (tests/test_peers' other run)."""
     out = tmp_path / "peers.json"
-    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(ROOT / "drivers" / "bench_peers.py"), "mlp", "--hidden", "64", "--layers", "1",
-               "--ranks-per-node", "1", "--warmup", "1", "--repeat", "2", "--out", str(out)]
-    env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    try:
-        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    finally:
-        left = kill_marked(marker)
+    run, left = torchrun(2, ROOT / "drivers" / "bench_peers.py", "mlp", "--hidden", "64", "--layers", "1",
+                         "--ranks-per-node", "1", "--warmup", "1", "--repeat", "2", "--out", str(out), limit=180)
     assert run.returncode == 0 and left == 0, run.stdout[-2000:] + run.stderr[-2000:]
     document = json.loads(out.read_text())
     results = {r["mode"]: r for r in document["results"]}

@@ -6,17 +6,12 @@ naming both worlds, before a gradient is touched. Each launch has a hard time
 limit and leaves no process behind."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
-from run_mpi import kill_marked
+from conftest import ROOT, torchrun
 from spar_comm import waiting
 
 torch = pytest.importorskip("torch")
@@ -25,24 +20,12 @@ CALLS = ["rank", "size", "local_device", "init_process_group", "broadcast_parame
          "DistributedOptimizer", "comm_hook"]
 
 
-def torchrun(ranks: int, *args: str, script: Path = SCRIPT, limit: float = 90) -> dict:
+def lines_of(ranks: int, *args: str, script: Path = SCRIPT, limit: float = 90) -> dict:
     """The script's lines under ``torchrun --nproc-per-node ranks``, by rank
     and call (a line of no call is the rank's ``summary``)."""
-    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--standalone", str(script), *args]
-    env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    try:
-        output, errors = process.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        kill_marked(marker)
-        output, errors = process.communicate()
-        pytest.fail(f"torchrun did not end within {limit} s:\n{output[-2000:]}\n{errors[-2000:]}")
-    assert process.returncode == 0, output[-2000:] + errors[-2000:]
+    run, _ = torchrun(ranks, script, *args, limit=limit)
+    output = run.stdout
+    assert run.returncode == 0, output[-2000:] + run.stderr[-2000:]
     lines: dict = {}
     for line in output.splitlines():
         if line.startswith("rank "):
@@ -55,7 +38,7 @@ def torchrun(ranks: int, *args: str, script: Path = SCRIPT, limit: float = 90) -
 @pytest.mark.slow
 def test_without_torch_distributed_every_way_in_refuses_mpis_world_of_one_on_every_rank():
     """... but init_process_group, which starts torch.distributed from torchrun's environment."""
-    lines = torchrun(2)
+    lines = lines_of(2)
     for rank in range(2):
         assert lines.get((rank, "init_process_group")) == "ran", lines
         for call in [c for c in CALLS if c != "init_process_group"] + ["comm_hook over MPI"]:
@@ -72,7 +55,7 @@ def test_with_torch_distributed_every_way_in_works_over_its_group():
     rank 0's weights were broadcast, one DDP step leaves every rank the mean
     gradient (inputs 1 and 2 on six weights: 6 * 1.5). Forcing MPI instead
     is refused, naming both worlds."""
-    lines = torchrun(2, "--init")
+    lines = lines_of(2, "--init")
     for rank in range(2):
         assert lines.get((rank, "rank")) == f"ran {rank}" and lines.get((rank, "size")) == "ran 2", lines
         assert lines.get((rank, "init_process_group")) == "ConfigError: torch.distributed is already initialised"
@@ -86,7 +69,7 @@ def test_with_torch_distributed_every_way_in_works_over_its_group():
 
 @pytest.mark.slow
 def test_a_torchrun_job_of_one_rank_is_its_own_world():
-    lines = torchrun(1, "--init")
+    lines = lines_of(1, "--init")
     expected = {call: "ran" for call in CALLS + ["comm_hook over MPI"]}
     expected.update(rank="ran 0", size="ran 1", init_process_group="ConfigError: torch.distributed is already initialised")
     assert {call: lines.get((0, call)) for call in expected} == expected
@@ -99,7 +82,7 @@ def test_a_torchrun_job_of_one_rank_is_its_own_world():
 def test_every_allreducer_over_a_gloo_group_matches_the_serial_reference(ranks):
     """tests/torchrun_allreducers.py: every reproducible algorithm, with and
     without codecs, on every emulated node layout, to the last bit."""
-    lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_allreducers.py", limit=150)
+    lines = lines_of(ranks, script=ROOT / "tests" / "torchrun_allreducers.py", limit=150)
     for rank in range(ranks):
         cases = lines.get((rank, "summary"), "(no line)")
         assert cases.endswith(" cases, 0 failed") and not cases.startswith("0 "), (rank, cases, lines)
@@ -108,14 +91,7 @@ def test_every_allreducer_over_a_gloo_group_matches_the_serial_reference(ranks):
 @pytest.mark.slow
 def test_the_ddp_example_trains_under_torchrun_with_identical_replicas():
     """drivers/train_ddp.py, launched as PyTorch users launch: no mpiexec."""
-    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(ROOT / "drivers" / "train_ddp.py"), "--epochs", "2"]
-    env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker)
-    try:
-        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    finally:
-        kill_marked(marker)
+    run, _ = torchrun(2, ROOT / "drivers" / "train_ddp.py", "--epochs", "2", limit=120)
     assert "world size 2" in run.stdout and "parameters identical on all 2 ranks" in run.stdout, (
         run.stdout[-2000:] + run.stderr[-2000:])
     if run.returncode != 0:  # trained and checked, then a rank died at exit: seen once in six full runs
@@ -130,7 +106,7 @@ def test_ddp_over_a_gloo_group_is_exact_conserves_and_survives_a_nan(ranks):
     and conservation with hitopk, a NaN on one rank a NaN bucket on every
     rank, the hook's state through a save and load, and an overflow under
     GradScaler skipped on every rank with its scale halved."""
-    lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_ddp.py", limit=120)
+    lines = lines_of(ranks, script=ROOT / "tests" / "torchrun_ddp.py", limit=120)
     assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
 
 
@@ -143,7 +119,7 @@ def test_the_state_round_trips_through_torch_distributed_checkpoint_rank_by_rank
     their rank; resumed runs reach the bits of the run that never stopped (the
     optimizer) and conserve the gradients (the hook); a template without the
     wrapped optimizer's momentum is refused."""
-    lines = torchrun(ranks, script=ROOT / "tests" / "torchrun_state.py", limit=150)
+    lines = lines_of(ranks, script=ROOT / "tests" / "torchrun_state.py", limit=150)
     assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
 
 
@@ -155,16 +131,9 @@ def test_a_peer_that_stops_answering_ends_a_torchrun_job_at_the_deadline(way):
     the deadline's exit status; torchrun ends the hung rank, and nothing is
     left behind."""
     timeout = 4
-    marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(ROOT / "tests" / "torchrun_stall.py"), "--way", way]
-    env = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1", SPAR_COMM_TIMEOUT=str(timeout))
-    env.pop("WORLD_SIZE", None)
-    try:
-        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
-        ended = time.time()
-    finally:
-        left = kill_marked(marker)
+    run, left = torchrun(2, ROOT / "tests" / "torchrun_stall.py", "--way", way,
+                         env={waiting.ENV_TIMEOUT: str(timeout)})
+    ended = time.time()
     hung = [float(line.split()[-1]) for line in run.stdout.splitlines() if line.startswith("rank 0: hangs at ")]
     assert run.returncode != 0 and len(hung) == 1, run.stdout[-2000:] + run.stderr[-2000:]
     assert "finished" not in run.stdout
@@ -188,7 +157,7 @@ def test_the_state_resumes_on_another_world_with_the_residuals_total_kept(tmp_pa
     each position on one new rank; a plain dcp.load on the new world is
     refused by spar_comm, naming load_checkpoint."""
     directory = str(tmp_path / "checkpoint")
-    lines = torchrun(saved, "save", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
+    lines = lines_of(saved, "save", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
     assert [lines.get((rank, "summary")) for rank in range(saved)] == ["0 failed"] * saved, lines
-    lines = torchrun(loaded, "load", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
+    lines = lines_of(loaded, "load", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
     assert [lines.get((rank, "summary")) for rank in range(loaded)] == ["0 failed"] * loaded, lines
