@@ -91,7 +91,9 @@ def torchrun(ranks: int, script: Path, *args: str, env: Optional[dict] = None,
     marker = f"torchrun-{os.getpid()}-{time.monotonic_ns()}"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone",
                str(script), *args]
-    environment = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1", **(env or {}))
+    # PYTHONFAULTHANDLER: a worker that dies by a signal prints every thread's stack.
+    environment = dict(os.environ, SPAR_COMM_TEST_LAUNCH=marker, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+                       **(env or {}))
     environment.pop("WORLD_SIZE", None)
     process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)

@@ -56,7 +56,7 @@ class Agent:
                    str(ROOT / "drivers" / "train_ddp.py"), "--epochs", "30", "--checkpoint", str(checkpoint),
                    "--checkpoint-every", "10"]
         env = dict(os.environ, **{MARK: self.mark, "GLOO_SOCKET_IFNAME": emucluster.IFACE, "OMP_NUM_THREADS": "1",
-                                  waiting.ENV_TIMEOUT: str(TIMEOUT)})
+                                  "PYTHONFAULTHANDLER": "1", waiting.ENV_TIMEOUT: str(TIMEOUT)})
         env.pop("WORLD_SIZE", None)
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, start_new_session=True)

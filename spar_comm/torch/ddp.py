@@ -26,7 +26,6 @@ gradients before selecting).
 """
 from __future__ import annotations
 
-import queue
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -41,6 +40,7 @@ from ..errors import NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward, after_queued
+from .comm_thread import CommThread
 from .optimizer import non_finite_problem
 from .state import OTHER_WORLD, agree, own_residuals, rank_key
 from .streams import NoStreams, as_array, as_tensor, streams_for
@@ -103,12 +103,11 @@ class HookState:
         self._coordinates: Dict[int, Coordinate] = {}  # id(parameter) -> coordinate
         self._carry: Dict[int, torch.Tensor] = {}  # id(parameter) -> residual held outside any allreducer
         self._loaded: Dict[Coordinate, np.ndarray] = {}  # residuals loaded, waiting for their parameter
-        self._jobs: "queue.Queue[_Job]" = queue.Queue()
         self._waiting: Dict[int, _Job] = {}
         self._next = 0  # the bucket index to reduce next
         self._busy = 0  # jobs handed over and not yet done with
         self._idle = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[CommThread] = None
         self._errors: List[SparCommError] = []  # raised out of backward once DDP is done with it
         self._backward_end = EndOfBackward(lambda: after_queued(self._iteration_ended))  # after DDP's own
         # Where an iteration may be skipped (GradScaler, non_finite="raise"): what its
@@ -127,15 +126,14 @@ class HookState:
                 self._streams = streams_for(self.topology.memory)
             if self.algorithm == AUTO:  # collective: priced here, where every rank's backward waits for it
                 self.pricing = auto.price(self.topology)
-            self._thread = threading.Thread(target=self._serve, name="spar_comm-ddp-hook", daemon=True)
-            self._thread.start()
+            self._thread = CommThread("spar_comm-ddp-hook", self._arrived)
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
         job = _Job(bucket, future, self._streams.produced())
         # Outside backward (a bucket handed over by hand) the future carries the errors.
         job.to_future = not self._backward_end.arm()
         with self._idle:
             self._busy += 1
-        self._jobs.put(job)
+        self._thread.put(job)
         return future
 
     def _iteration_ended(self) -> None:
@@ -158,14 +156,13 @@ class HookState:
             raise errors[0]
 
     # -- the communication thread ---------------------------------------------------------
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            self._waiting[job.index] = job
-            while self._next in self._waiting:
-                ready = self._waiting.pop(self._next)
-                self._next = 0 if ready.is_last else self._next + 1
-                self._run(ready)
+    def _arrived(self, job: _Job) -> None:
+        """Run the buckets in index order, on every rank alike, whatever order DDP hands them over in."""
+        self._waiting[job.index] = job
+        while self._next in self._waiting:
+            ready = self._waiting.pop(self._next)
+            self._next = 0 if ready.is_last else self._next + 1
+            self._run(ready)
 
     def _run(self, job: _Job) -> None:
         try:

@@ -36,7 +36,6 @@ runs on CPU tensors with those operations doing nothing.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -54,6 +53,7 @@ from ..errors import ConfigError, NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward
+from .comm_thread import CommThread
 from .state import OTHER_WORLD, agree, own_residuals, rank_key
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
 from .world import check_size, job_comm, require_job_world
@@ -202,11 +202,8 @@ class _DistributedOptimizer:
         self.last_wait = 0.0  # seconds the last synchronize() waited
         self.last_timings: List[Dict[str, float]] = []  # bucket_timings() of the last synchronized step
         self._errors: List[BaseException] = []
-        self._jobs: Optional[queue.Queue] = None
         self._done = threading.Event()
-        if overlap:
-            self._jobs = queue.Queue()
-            threading.Thread(target=self._serve, name="spar_comm-allreduce", daemon=True).start()
+        self._thread = CommThread("spar_comm-allreduce", self._run) if overlap else None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(bucket, i))
             for bucket in self.buckets for i, p in enumerate(bucket.params)
@@ -240,8 +237,8 @@ class _DistributedOptimizer:
 
     def _start(self, bucket: _Bucket) -> None:
         self._in_flight = True
-        if self._jobs is not None:
-            self._jobs.put(bucket)
+        if self._thread is not None:
+            self._thread.put(bucket)
 
     def _backward_ended(self) -> None:
         """Finish the buckets started in this backward before it returns, as
@@ -249,23 +246,18 @@ class _DistributedOptimizer:
         (``GradScaler``'s overflow check, clipping) sees the mean, alike on
         every rank, and never races the communication thread. Buckets that
         backward did not make ready wait for ``synchronize()``."""
-        if self._jobs is None:
+        if self._thread is None:
             for bucket in self.buckets[: self._next]:
                 if not bucket.done:
                     self._run(bucket)
         else:
             ended = threading.Event()
-            self._jobs.put(ended)
+            self._thread.put(ended)
             ended.wait()
         for bucket in self.buckets[: self._next]:
             self._streams.consume(bucket.finished)
 
     # -- the communication thread --------------------------------------------------------
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            self._run(job)
-
     def _run(self, job: Any) -> None:
         """A bucket; an event to set once the buckets before it are done; or
         None: the end of the step (agree on local problems)."""
@@ -317,13 +309,13 @@ class _DistributedOptimizer:
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
             self._next += 1
-        if self._jobs is None:
+        if self._thread is None:
             for bucket in self.buckets:
                 if not bucket.done:
                     self._run(bucket)
             self._run(None)
         else:
-            self._jobs.put(None)
+            self._thread.put(None)
             self._done.wait()
         self.last_wait = time.perf_counter() - started
         self._done.clear()
