@@ -22,7 +22,7 @@ def test_density_warmup_is_dgcs_schedule():
     by_epoch = [schedule(10 * epoch + 3) for epoch in range(7)]
     assert by_epoch == pytest.approx([0.25, 0.25 * 0.004 ** 0.25, 0.25 * 0.004 ** 0.5, 0.25 * 0.004 ** 0.75,
                                       0.001, 0.001, 0.001])
-    assert [schedule(s) for s in range(10)] == [0.25] * 10  # constant within an epoch: one rebuild per epoch
+    assert [schedule(s) for s in range(10)] == [0.25] * 10  # constant within an epoch
     assert all(schedule(s) >= schedule(s + 1) for s in range(60))
 
 

@@ -116,7 +116,7 @@ def test_accounting(topology, algorithm):
         assert_all(COMM, last[key] == expected, f"dense sent {last[key]}, ring model says {expected}")
     if algorithm == "gtopk":  # every rank but the root sends its k pairs up, and the broadcast forwards them
         sent = COMM.allreduce(last["bytes_inter"] + last["bytes_intra"])
-        expected = 2 * (COMM.size - 1) * reducer.buf.nbytes
+        expected = 2 * (COMM.size - 1) * reducer.layout.nbytes
         assert_all(COMM, sent == expected, f"gtopk sent {sent} in all, a binomial tree both ways {expected}")
 
 

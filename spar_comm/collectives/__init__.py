@@ -57,6 +57,7 @@ def make_allreducer(
     shared_buffer: bool = False,
     values: str | None = None,
     indices: str | None = None,
+    max_density: float | None = None,
     **options: Any,
 ) -> Allreducer:
     """An allreducer of ``algorithm`` for flat gradients of ``size`` elements.
@@ -71,6 +72,8 @@ def make_allreducer(
     (``codecs.VALUES``; topka, hitopk and hitopk_leader), what they round
     away kept in the residual. ``indices="auto"`` sends their positions as
     int32, 16-bit gaps or a bitmap, whichever is smallest (``codecs.INDICES``).
+    ``max_density`` (default ``density``) is the most a call may ask for
+    (``allreduce(density=)``), by which the buffers are sized.
     ``options`` are an algorithm's own settings (``powersgd``: ``rank``,
     ``shapes``); another algorithm refuses them.
     """
@@ -78,10 +81,10 @@ def make_allreducer(
     if algorithm == AUTO:
         problem = ("algorithm='auto' is the cost model's choice, made above the allreducers: call "
                    "spar_comm.make_allreducer (spar_comm.costmodel.auto.make_allreducer)")
-    # Patient: ranks may arrive from set-ups of their own (a rebuild in training is not: aids.ScheduledAllreduce).
+    # Patient: ranks may arrive from set-ups of their own.
     with waiting.watched(f"making the {algorithm} allreducer", topology.world, patient=True):
         raise_if_any(topology.world, problem)
         require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
         cls = ALGORITHMS[algorithm]
         return cls(topology, size, dtype, density, selector, error_feedback, average, selector_options,
-                   shared_buffer, values, indices, options)
+                   shared_buffer, values, indices, options, max_density)

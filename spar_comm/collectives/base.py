@@ -31,16 +31,17 @@ from mpi4py import MPI
 
 from .. import waiting
 from ..consensus import raise_if_any, require_same
+from ..errors import ConfigError
 from ..kernels import passes
 from ..launch import abort_job
 from ..topology import Topology
 from .channel import Channel
-from .checks import BAD_OUT, BAD_STATE, problems_of, refusal, settings_problem
+from .checks import BAD_DENSITY, BAD_OUT, BAD_STATE, density_fits, problems_of, refusal, settings_problem
 from .codecs import make_codec, make_index_codec
 from .feedback import ErrorFeedback, Residual
-from .pairs import PairExchange
+from .pairs import PairExchange, PairLayout
 from .shm import MessageAllgather, MessageReduceScatter, node_collectives
-from .topk import TopK, selection_size
+from .topk import CallDensity, TopK
 
 
 #: Positions of an array, per element, past which one pass over all of it is
@@ -89,12 +90,14 @@ class Allreducer:
         values: Optional[str] = None,
         indices: Optional[str] = None,
         options: Optional[Dict[str, Any]] = None,
+        max_density: Optional[float] = None,
     ):
         world = topology.world
+        max_density = density if max_density is None else max_density
         merged = {**type(self).options, **(options or {})}
         raise_if_any(world, settings_problem(type(self), size, dtype, density, selector, dict(selector_options or {}),
                                              shared_buffer, {"values": values, "indices": indices}, merged,
-                                             topology.memory))
+                                             topology.memory, max_density))
         require_same(
             world,
             "allreducer settings",
@@ -103,6 +106,7 @@ class Allreducer:
                 size=int(size),
                 dtype=np.dtype(dtype).name,
                 density=float(density),
+                max_density=float(max_density),
                 selector=selector,
                 error_feedback=bool(error_feedback),
                 average=bool(average),
@@ -122,7 +126,9 @@ class Allreducer:
         self.dtype = sum_dtype(dtype)
         # A 16-bit gradient widened, then reduced in place (one array for every call).
         self._wide = None if self.dtype == self.grad_dtype else self.xp.empty(self.size, self.dtype)
-        self.density = float(density)
+        self.density = float(density)  # a call's unless it asks for another, up to max_density
+        self.max_density = float(max_density)
+        self.call_density = CallDensity(self.density, self.max_density)
         self.selector_name = selector
         self.selector_options = dict(selector_options or {})
         self.error_feedback = bool(error_feedback)
@@ -134,9 +140,9 @@ class Allreducer:
         self._buffer: Any = None  # see ``buffer``
         self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_collectives``)
         self.allgather: Any = None
-        self._code = np.zeros(1, dtype=np.int32)
+        self._code = np.zeros(2, dtype=np.int64)  # this rank's problems (checks.PROBLEMS), its call's density's bits
         self._out: Any = None
-        self._codes = np.zeros(world.size, dtype=np.int32)
+        self._codes = np.zeros((world.size, 2), dtype=np.int64)
         self.last: Dict[str, float] = self._fresh_ledger()
         self.world = self.channel(world, spans_nodes=True)
         # What the first call compiles: its waits are patient, once per process.
@@ -171,14 +177,17 @@ class Allreducer:
     def top_k(self, span: int) -> TopK:
         """The compressor of one selection site, a span of ``span`` elements."""
         selector = self.memory.selector(self.selector_name, self.selector_options)
-        return TopK(selector, selection_size(self.density, span), self.feedback, self.memory, self.last)
+        return TopK(selector, span, self.call_density, self.feedback, self.memory, self.last)
 
-    def pair_exchange(self, channel: Channel, k: int, span: int) -> PairExchange:
-        """The exchange of k pairs a rank over ``channel``, positions within a span
-        of ``span``, through this allreducer's value and index codecs; what the
-        value codec rounds away goes back to error feedback."""
-        return PairExchange(channel, k, self.dtype, self.codec, make_index_codec(self.index_codec, k, span, self.xp),
-                            self.feedback)
+    def pair_exchange(self, channel: Channel, topk: TopK) -> PairExchange:
+        """The exchange over ``channel`` of the pairs ``topk`` picks (a call's k a
+        rank, positions within its span), through this allreducer's value and
+        index codecs; what the value codec rounds away goes back to error feedback."""
+        def layout_of(k: int) -> PairLayout:
+            return PairLayout(k, self.dtype, self.xp, self.codec, make_index_codec(self.index_codec, k, topk.span,
+                                                                                    self.xp))
+
+        return PairExchange(channel, topk.k_most, layout_of, self.feedback)
 
     def output(self, zeroed: bool) -> Any:
         """The result array: the caller's ``out`` or a new one, zero-filled when
@@ -226,7 +235,8 @@ class Allreducer:
             self._buffer = self.xp.zeros(self.size, self.grad_dtype)
         return self._buffer
 
-    def allreduce(self, grad: Any, out: Any = None, state: Optional[Residual] = None) -> Any:
+    def allreduce(self, grad: Any, out: Any = None, state: Optional[Residual] = None,
+                  density: Optional[float] = None) -> Any:
         """The sum (or mean) of ``grad`` over all ranks: a new array, or ``out``
         when given (``out=grad`` reduces in place and saves an allocation).
 
@@ -238,9 +248,13 @@ class Allreducer:
         ``residual_state()``'s span), updated in place instead of the one the
         allreducer holds.
 
+        ``density``: this call's, in place of the allreducer's (a sparse one's
+        schedule, as optax's ``inject_hyperparams`` changes a learning rate),
+        at most ``max_density``; every rank must ask for the same.
+
         Every rank gets identical bits. A gradient refused on any rank raises
-        GradientError on every rank, a state ConfigError, and the residuals
-        stay as they were.
+        GradientError on every rank, a state or a density ConfigError, and the
+        residuals stay as they were.
 
         A float16 or bfloat16 gradient is reduced in float32 (sums, residuals
         and the values on the wire) and the result rounded to its dtype once,
@@ -248,15 +262,15 @@ class Allreducer:
         conservation holds for the float32 result.
         """
         if self._kernels in _COMPILED:
-            return self._allreduce(grad, out, state)
+            return self._allreduce(grad, out, state, density)
         # Each rank compiles the kernels on its own clock: the others' waits are long for a reason.
         with waiting.watched(f"the first {self.name} allreduce, which compiles its kernels", self.topology.world,
                              patient=True):
-            result = self._allreduce(grad, out, state)
+            result = self._allreduce(grad, out, state, density)
         _COMPILED.add(self._kernels)
         return result
 
-    def _allreduce(self, grad: Any, out: Any, state: Optional[Residual]) -> Any:
+    def _allreduce(self, grad: Any, out: Any, state: Optional[Residual], density: Optional[float]) -> Any:
         """``allreduce`` itself."""
         self.last = self._fresh_ledger()
         start = self.memory.now()
@@ -264,11 +278,13 @@ class Allreducer:
         grad, back = self.memory.adopt(given_grad)
         if given_out is not None:
             out = grad if given_out is given_grad else self.memory.adopt(given_out)[0]
-        self._check(grad, out, given_out is not None, state)
+        self._check(grad, out, given_out is not None, state, self.density if density is None else density)
         self.last["t_check"] = self.memory.now() - start
         held = self.feedback.state
         if state is not None:
             self.feedback.state = state
+        if density is not None:
+            self.call_density.now = float(density)
         try:
             if self._wide is None:
                 self._out = out
@@ -288,6 +304,7 @@ class Allreducer:
             abort_job(self.topology.world, f"{self.name} allreduce")
         finally:
             self.feedback.state = held
+            self.call_density.now = self.density
         if math.isinf(self.last["threshold"]):  # nothing was selected: a dense method
             self.last["threshold"] = 0.0
         self.last["t_total"] = self.memory.now() - start
@@ -377,17 +394,25 @@ class Allreducer:
             return self.last
         return ledger
 
-    def _check(self, grad: Any, out: Any, out_given: bool, state: Optional[Residual]) -> None:
-        """Gather every rank's verdict on its (adopted) gradient, ``out`` and
-        ``state``; raise alike on all ranks."""
+    def _check(self, grad: Any, out: Any, out_given: bool, state: Optional[Residual], density: Any) -> None:
+        """Gather every rank's verdict on its (adopted) gradient, ``out``,
+        ``state`` and ``density``, with the density itself (the ranks must
+        agree on it: their messages are sized by it); raise alike on all ranks."""
         self._code[0] = problems_of(grad, out, self.size, self.grad_dtype, self.memory)
         if out_given and out is None:  # given, but not an array of this memory
             self._code[0] |= BAD_OUT
         if state is not None and not self.feedback.fits(state, self.memory):
             self._code[0] |= BAD_STATE
+        if not density_fits(density, self.max_density):
+            self._code[0] |= BAD_DENSITY
+        self._code[1] = np.float64(density).view(np.int64) if not self._code[0] & BAD_DENSITY else 0
         try:
             waiting.collective(self.topology.world, "Allgather", self._code, self._codes)  # where ranks meet: sleep
         except BaseException:  # an interrupt (Ctrl-C) of this rank alone, the others in the collective
             abort_job(self.topology.world, f"{self.name} allreduce")
-        if self._codes.any():
-            raise refusal(self.name, self._codes, self.memory.kind, self.grad_dtype, self.size)
+        problems, densities = self._codes[:, 0], self._codes[:, 1].view(np.float64)
+        if problems.any():
+            raise refusal(self.name, problems, self.memory.kind, self.grad_dtype, self.size, self.max_density)
+        if (densities != densities[0]).any():
+            raise ConfigError(f"{self.name} allreduce: the ranks asked for different densities, nothing was "
+                              f"changed: {', '.join(f'rank {r}: {d:g}' for r, d in enumerate(densities.tolist()))}")

@@ -31,7 +31,7 @@ CODECS = {"values": ("dense", "hier_dense", "topka", "hitopk", "hitopk_leader"),
 
 def settings_problem(cls: Any, size: Any, dtype: Any, density: Any, selector: str,
                      selector_options: Dict[str, Any], shared_buffer: Any, codecs: Dict[str, Optional[str]],
-                     options: Dict[str, Any], memory: HostMemory) -> Optional[str]:
+                     options: Dict[str, Any], memory: HostMemory, max_density: Any = None) -> Optional[str]:
     """A message for the first bad setting of an allreducer of class ``cls``, or
     None; ``options`` are its own, merged with their defaults."""
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
@@ -44,8 +44,10 @@ def settings_problem(cls: Any, size: Any, dtype: Any, density: Any, selector: st
         return f"dtype must be one of {', '.join(DTYPES)}, got {name}"
     if name == "bfloat16" and not memory.in_host_memory:
         return "bfloat16 gradients are host arrays only (CuPy has no bfloat16); use float16 on the GPU"
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+    if not density_fits(density, 1):
         return f"density must be in (0, 1], got {density!r}"
+    if max_density is not None and not (density_fits(max_density, 1) and max_density >= density):
+        return f"max_density must be in [density, 1] = [{density:g}, 1], got {max_density!r}"
     if selector not in kernels.SELECTORS:
         return f"unknown selector {selector!r}; known: {', '.join(sorted(kernels.SELECTORS))}"
     if cls.sparse and size > MAX_SHARD:
@@ -80,10 +82,17 @@ PROBLEMS = {
     32: "non-finite values (NaN or Inf)",
     64: "out is not a 1-D contiguous array of the gradient's length and dtype",
     128: "the state is not a Residual of this rank's span, length and dtype (see residual_state)",
+    256: "density= is not in (0, max_density] = (0, {max_density:g}]",
 }
 NON_FINITE = 32
 BAD_OUT = 64
 BAD_STATE = 128
+BAD_DENSITY = 256
+
+
+def density_fits(density: Any, most: float) -> bool:
+    """Whether ``density`` is a number in (0, ``most``]."""
+    return not isinstance(density, bool) and isinstance(density, (int, float, np.floating)) and 0 < density <= most
 
 
 def problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMemory) -> int:
@@ -110,14 +119,16 @@ def problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMem
     return code
 
 
-def refusal(algorithm: str, codes: Sequence[int], kind: str, dtype: np.dtype, size: int) -> SparCommError:
+def refusal(algorithm: str, codes: Sequence[int], kind: str, dtype: np.dtype, size: int,
+            max_density: float = 1.0) -> SparCommError:
     """The error every rank raises for every rank's codes (some nonzero):
-    ConfigError for a state restored on another rank or layout,
+    ConfigError for a state restored on another rank or layout or a density out of range,
     NonFiniteGradientError where NaN or Inf is the only problem, GradientError otherwise."""
     codes = np.asarray(codes)
-    parts = [f"rank {rank}: " + ", ".join(text.format(kind=kind) for bit, text in PROBLEMS.items() if code & bit)
+    parts = [f"rank {rank}: " + ", ".join(text.format(kind=kind, max_density=max_density)
+                                          for bit, text in PROBLEMS.items() if code & bit)
              for rank, code in enumerate(codes.tolist()) if code]
-    if (codes & BAD_STATE).any():
+    if (codes & (BAD_STATE | BAD_DENSITY)).any():
         error = ConfigError
     elif (codes | NON_FINITE).max() == NON_FINITE:  # the values alone: say so, and nothing of shapes
         return NonFiniteGradientError(f"{algorithm} allreduce refused the gradient, nothing was changed: "

@@ -28,36 +28,39 @@ class GTopKAllreducer(Allreducer):
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
         self.topk = self.top_k(self.size)
-        self.layout = PairLayout(self.topk.k, self.dtype, self.xp)
-        self.buf = self.layout.empty()
+        self.layout = PairLayout(self.topk.k, self.dtype, self.xp)  # of the last call's k
+        self.space = PairLayout(self.topk.k_most, self.dtype, self.xp).empty()  # room for a record of the most
         self.keep_largest = self.memory.selector("exact", {})  # the merge's pick
         self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:
         acc = self.feedback.add(grad)
         indices, values = self.topk(acc)
+        if self.layout.k != len(indices):  # this call's density is another than the last call's
+            self.layout = PairLayout(len(indices), self.dtype, self.xp)
+        buf = self.space[: self.layout.nbytes]
         rank, p = self.world.rank, self.world.size
         step = 1
         while step < p:
             if rank % (2 * step) == step:
-                self._pack(indices, values)
-                self.world.send(self.buf, rank - step, _TAG)
+                self._pack(buf, indices, values)
+                self.world.send(buf, rank - step, _TAG)
                 break
             if rank + step < p:
-                self.world.recv(self.buf, rank + step, _TAG)
-                theirs = self.layout.views(self.buf)
+                self.world.recv(buf, rank + step, _TAG)
+                theirs = self.layout.views(buf)
                 indices, values = self._merge(indices, values, theirs[1], theirs[0])
             step *= 2
         if rank == 0:
-            self._pack(indices, values)
-        self.world.bcast(self.buf, root=0)
-        values, indices = self.layout.views(self.buf)
+            self._pack(buf, indices, values)
+        self.world.bcast(buf, root=0)
+        values, indices = self.layout.views(buf)
         out = self.output(zeroed=True)
         out[indices] = self.averaged(values)
         return out
 
-    def _pack(self, indices: Any, values: Any) -> None:
-        my_values, my_indices = self.layout.views(self.buf)
+    def _pack(self, buf: Any, indices: Any, values: Any) -> None:
+        my_values, my_indices = self.layout.views(buf)
         my_values[:] = values
         my_indices[:] = indices
 
@@ -70,7 +73,7 @@ class GTopKAllreducer(Allreducer):
         summed = xp.zeros(union.size, dtype=self.dtype)
         summed[xp.searchsorted(union, ia)] += va
         summed[xp.searchsorted(union, ib)] += vb
-        keep = self.keep_largest(summed, self.topk.k)
+        keep = self.keep_largest(summed, self.layout.k)
         if self.error_feedback:
             dropped = xp.ones(union.size, dtype=bool)
             dropped[keep] = False

@@ -29,7 +29,7 @@ class _Site:
         lo, hi = shard_bounds(owner.size, owner.topology.shards_per_node, j)
         self.lo, self.hi = lo - owner.lo, hi - owner.lo  # within my region
         self.topk = owner.top_k(hi - lo)
-        self.exchange = owner.pair_exchange(rail, self.topk.k, hi - lo)
+        self.exchange = owner.pair_exchange(rail, self.topk)
 
 
 class HiTopKAllreducer(Allreducer):

@@ -26,7 +26,7 @@ class HiTopKLeaderAllreducer(Allreducer):
             self.node_sum = self.xp.empty(self.size, dtype=self.dtype)
             self.topk = self.top_k(self.size)
             leaders = self.channel(topology.leader, spans_nodes=True)
-            self.exchange = self.pair_exchange(leaders, self.topk.k, self.size)
+            self.exchange = self.pair_exchange(leaders, self.topk)
             self.feedback.cover(0, self.size)
 
     def _reduce(self, grad: Any) -> Any:

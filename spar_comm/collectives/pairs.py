@@ -9,7 +9,7 @@ on the whole contiguous buffer, which NumPy and CuPy both allow.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple
 
 import numpy as np
 
@@ -70,11 +70,16 @@ class PairLayout:
 
 class PairExchange:
     """Allgather of k (index, value) pairs from every rank of a channel, summed
-    into a dense vector in rank order (so every rank gets the same bits)."""
+    into a dense vector in rank order (so every rank gets the same bits).
 
-    def __init__(self, channel, k: int, dtype: np.dtype, codec: Any = None, indices: Any = None, feedback: Any = None):
-        self.channel, self.feedback = channel, feedback
-        self.layout = PairLayout(k, dtype, channel.memory.xp, codec, indices)
+    k is the call's (every rank sends as many pairs), at most ``k_most``, by
+    whose record the buffers are sized: a record of fewer pairs is never
+    longer, whatever the codecs. ``layout_of(k)`` makes the record of k
+    pairs (a value codec and an index codec of ``codecs.py``)."""
+
+    def __init__(self, channel, k_most: int, layout_of: Callable[[int], PairLayout], feedback: Any = None):
+        self.channel, self.feedback, self.layout_of = channel, feedback, layout_of
+        self.layout = layout_of(k_most)
         self.sendbuf = self.layout.empty()
         self.recvbuf = self.layout.empty(channel.size)
 
@@ -82,10 +87,14 @@ class PairExchange:
         """Add every rank's pairs into ``out``; return the indices touched. What a
         lossy codec rounded away from this rank's ``values`` goes back to the
         residual ``acc`` at ``indices`` (``ErrorFeedback.keep_rounding``)."""
-        self.layout.write(self.sendbuf, indices, values)
-        self.channel.allgather(self.sendbuf, self.recvbuf)
-        all_values, all_indices = self.layout.read_all(self.recvbuf, self.channel.size)
+        if len(indices) != self.layout.k:
+            self.layout = self.layout_of(len(indices))
+        layout, records = self.layout, self.channel.size
+        sendbuf, recvbuf = self.sendbuf[: layout.nbytes], self.recvbuf[: records * layout.nbytes]
+        layout.write(sendbuf, indices, values)
+        self.channel.allgather(sendbuf, recvbuf)
+        all_values, all_indices = layout.read_all(recvbuf, records)
         scatter_add(out, all_indices, all_values)
-        if self.feedback is not None and self.layout.codec.lossy:  # this rank's values, decoded with the rest
+        if self.feedback is not None and layout.codec.lossy:  # this rank's values, decoded with the rest
             self.feedback.keep_rounding(acc, indices, values, all_values[self.channel.rank])
         return all_indices.ravel()

@@ -4,6 +4,9 @@ A ``TopK`` picks the k entries of largest magnitude with a selector of its
 own (a selector may keep a warm start, so every selection site has one),
 has error feedback forget what it picked (it is being sent), and adds its
 time, its k and its smallest picked magnitude to the allreducer's ledger.
+Its k follows the density of the call in progress (``CallDensity``): a
+density may change from one call to the next, up to the largest one
+declared, by which the buffers were sized, with nothing rebuilt.
 """
 from __future__ import annotations
 
@@ -27,20 +30,47 @@ def selection_size(density: float, length: int) -> int:
     return min(length, max(1, math.ceil(Fraction(repr(float(density))) * length)))
 
 
-class TopK:
-    """k of a span, picked by ``selector``."""
+class CallDensity:
+    """The density of the call in progress (``now``), and the largest a call
+    may ask for (``most``), which sizes every buffer."""
 
-    def __init__(self, selector: kernels.Selector, k: int, feedback: ErrorFeedback, memory: HostMemory,
-                 ledger: Dict[str, float]):
-        self.selector, self.k, self.feedback, self.memory, self.ledger = selector, k, feedback, memory, ledger
+    def __init__(self, density: float, most: float):
+        self.default, self.most = float(density), float(most)
+        self.now = self.default
+
+    def k(self, span: int) -> int:
+        return selection_size(self.now, span)
+
+    def k_most(self, span: int) -> int:
+        return selection_size(self.most, span)
+
+
+class TopK:
+    """k of a span, picked by ``selector``, k from the call's density."""
+
+    def __init__(self, selector: kernels.Selector, span: int, density: CallDensity, feedback: ErrorFeedback,
+                 memory: HostMemory, ledger: Dict[str, float]):
+        self.selector, self.span, self.density = selector, span, density
+        self.feedback, self.memory, self.ledger = feedback, memory, ledger
+
+    @property
+    def k(self) -> int:
+        """This call's k."""
+        return self.density.k(self.span)
+
+    @property
+    def k_most(self) -> int:
+        """The largest k a call may ask for."""
+        return self.density.k_most(self.span)
 
     def __call__(self, acc: Any) -> Tuple[Any, Any]:
         """(indices, values) of the k picked entries of ``acc``; with error
         feedback on, ``acc`` is the residual and keeps the rest."""
-        if self.k == 0:  # an empty shard (fewer elements than shards)
+        k = self.k
+        if k == 0:  # an empty shard (fewer elements than shards)
             return self.memory.xp.zeros(0, dtype=np.int64), acc[:0].copy()
         start = self.memory.now()
-        return self._picked(acc, self.selector(acc, self.k), start)
+        return self._picked(acc, self.selector(acc, k), start)
 
     def add_and_pick(self, fresh: Any, part: slice = slice(None)) -> Tuple[Any, Any]:
         """Error feedback's ``add`` of ``fresh`` into the residual's ``part``, then
@@ -48,10 +78,11 @@ class TopK:
         (``ErrorFeedback.add_and_select``), where the add and the selection's
         candidate pass would each read the residual; a 16-bit ``fresh`` is
         widened there too. Its time counts as selection."""
-        if not (self.feedback.on and self.memory.in_host_memory and self.k):
+        k = self.k
+        if not (self.feedback.on and self.memory.in_host_memory and k):
             return self(self.feedback.add(fresh, part))
         start = self.memory.now()
-        indices = self.feedback.add_and_select(fresh, self.selector, self.k, part)
+        indices = self.feedback.add_and_select(fresh, self.selector, k, part)
         return self._picked(self.feedback.residual[part], indices, start)
 
     def _picked(self, acc: Any, indices: Any, start: float) -> Tuple[Any, Any]:

@@ -19,7 +19,7 @@ class TopKAllgatherAllreducer(Allreducer):
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
         self.topk = self.top_k(self.size)
-        self.exchange = self.pair_exchange(self.world, self.topk.k, self.size)
+        self.exchange = self.pair_exchange(self.world, self.topk)
         self.feedback.cover(0, self.size)
 
     @property

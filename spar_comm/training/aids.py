@@ -49,7 +49,6 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .. import waiting
 from ..collectives import ALGORITHMS, AUTO
 from ..costmodel import auto
 from .config import TrainConfig
@@ -127,48 +126,37 @@ class LocalAids:
 class ScheduledAllreduce:
     """A ``FusedAllreduce`` whose density follows a schedule.
 
-    ``at(step)`` returns the allreducer of that step's density, building a new
-    one when the density changed (a collective: every rank computes the same
-    schedule, so all rebuild at the same step) and carrying this rank's
-    residual over with ``residual_state``/``load_residual_state``. Dense
-    algorithms keep their one allreducer. ``algorithm="auto"`` is resolved once
-    by ``pricing``, at the target density, so the residual's layout never changes.
+    One allreducer serves every density the schedule can return: its buffers
+    are sized for the largest (``schedule.most``), and each call asks for its
+    step's, so a change of density rebuilds nothing and the residual stays
+    where it is. Dense algorithms ignore the density. ``algorithm="auto"`` is
+    resolved once by ``pricing``, at the target density.
     """
 
     def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: Fixed,
                  options: Optional[dict] = None, pricing: Optional[auto.Pricing] = None):
         self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
-        self.options = options
         if algorithm == AUTO:
             codecs = {name: (options or {}).get(name) for name in ("values", "indices")}
             algorithm = auto.choice(group.topology, pricing, size, dtype, schedule.target, selector, **codecs)
         known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # unknown: refused when built
         self.density = schedule(0) if known_sparse else schedule.target
+        options = dict(options or {}, max_density=schedule.most) if known_sparse else options
         self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector, options)
         self.algorithm = self.current.reducer.name
 
-    def at(self, step: int) -> FusedAllreduce:
-        density = self.schedule(step) if self.current.sparse else self.density
-        if density != self.density:
-            with waiting.watched(f"rebuilding the allreducer at density {density:g}", self.group.comm):
-                span, values = self.current.residual()
-                fresh = self.group.allreducer(self.algorithm, self.size, self.dtype, density, self.selector,
-                                              self.options)
-                fresh.load_residual(span, values)
-                self.current.reducer.free()
-            self.current, self.density = fresh, density
-        return self.current
-
     def reduce(self, step: int, grad: Any, xp: Any) -> Any:
         """Step ``step``'s allreduce at its density; the schedule sees the result."""
-        reduced = self.at(step)(grad, xp)
+        if self.current.sparse:
+            self.density = self.schedule(step)
+        reduced = self.current(grad, xp, self.density)
         if self.current.sparse:
             self.schedule.observe(step, reduced, xp)
         return reduced
 
     # The FusedAllreduce interface, for the loop and the checkpoint.
     def __call__(self, grad: Any, xp: Any) -> Any:
-        return self.current(grad, xp)
+        return self.current(grad, xp, self.density)
 
     @property
     def last(self) -> dict:

@@ -2,8 +2,9 @@
 
 A schedule is called with the step and returns that step's density; the
 training loop shows it every reduced update through ``observe``. Every rank
-must compute the same density at the same step, since a new density means
-a new allreducer on every rank (``aids.ScheduledAllreduce``):
+must compute the same density at the same step (the allreducer refuses a
+call whose ranks ask for different ones), and ``most`` is the largest it can
+return, by which the allreducer's buffers are sized (``aids.ScheduledAllreduce``):
 
 * ``fixed``: the target density throughout;
 * ``warmup`` (DGC, Lin et al., ICLR'18): the density falls exponentially from
@@ -38,6 +39,11 @@ class Fixed:
     def __call__(self, step: int) -> float:
         return self.target
 
+    @property
+    def most(self) -> float:
+        """The largest density of any step."""
+        return self.target
+
     def observe(self, step: int, reduced: Any, xp: Any) -> None:
         """Pure schedules ignore what was reduced."""
 
@@ -62,6 +68,10 @@ class DensityWarmup(Fixed):
             return self.target
         return self.start * (self.target / self.start) ** (epoch / self.epochs)
 
+    @property
+    def most(self) -> float:
+        return max(self.start, self.target)
+
     def describe(self) -> str:
         return f" (warm-up from {self(0):g} over {self.epochs} epochs)" if self(0) != self.target else ""
 
@@ -79,6 +89,10 @@ class Accordion(Fixed):
 
     def __call__(self, step: int) -> float:
         return self.density
+
+    @property
+    def most(self) -> float:
+        return max(self.high, self.target)
 
     def observe(self, step: int, reduced: Any, xp: Any) -> None:
         if self.accumulated is None:

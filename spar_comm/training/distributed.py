@@ -84,12 +84,13 @@ class FusedAllreduce:
         """Whether the algorithm selects (dense ones ignore selector and density)."""
         return self.reducer.sparse
 
-    def __call__(self, grad: Any, xp: Any) -> Any:
+    def __call__(self, grad: Any, xp: Any, density: Optional[float] = None) -> Any:
+        """``density``: this call's (``Allreducer.allreduce``)."""
         if not self.reducer.memory.in_host_memory:  # a device array, adopted as it is
-            self.reducer.allreduce(grad, out=grad)
+            self.reducer.allreduce(grad, out=grad, density=density)
             return grad
         host = to_host(grad)
-        self.reducer.allreduce(host, out=host)  # in place: no new array per step
+        self.reducer.allreduce(host, out=host, density=density)  # in place: no new array per step
         if host is not grad:  # a framework tensor off the host: write the result back
             grad[...] = xp.asarray(host, device=array_api_compat.device(grad))
         return grad
