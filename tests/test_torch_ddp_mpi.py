@@ -16,6 +16,7 @@ dist = pytest.importorskip("torch.distributed")
 import spar_comm.torch as sct  # noqa: E402
 from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
 from spar_comm import ConfigError, NonFiniteGradientError, Topology  # noqa: E402
+from reference import k_of  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -100,6 +101,45 @@ def test_the_dense_hook_gives_ddps_own_mean(topology):
         for opt in opts:
             opt.step()
     assert_all(COMM, len(state.buckets) >= 2, f"{len(state.buckets)} buckets")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_density_set_between_iterations_is_each_iterations_and_conserves(topology):
+    """``state.density`` moves within max_density: each bucket picks k at that
+    iteration's density, on the allreducer made for it (once DDP has rebuilt
+    its buckets); applied plus kept is what came in."""
+    model = Chosen()
+    ddp, state = hooked(model, "topka", density=0.05, topology=topology, settings={"max_density": 0.5})
+    params = list(model.ps)
+    raw, applied, made = np.zeros(sum(p.numel() for p in params)), 0, {}
+    for step, density in enumerate([0.05, 0.5, 0.1, 0.3]):
+        state.density = density
+        grads = chosen_grads(13, step)
+        ddp.zero_grad()
+        ddp(grads[COMM.rank]).backward()
+        raw += sum(flat(g) for g in grads)
+        applied = applied + flat(p.grad for p in params) * COMM.size
+        for index, bucket in state.buckets.items():
+            assert_all(COMM, bucket.reducer.last["k"] == k_of(density, bucket.reducer.size),
+                       f"step {step}: bucket {index} picked {bucket.reducer.last['k']} at density {density}")
+            if step > 0:  # after DDP's own rebuild of its buckets, in the second iteration
+                assert_all(COMM, made.setdefault(index, bucket.reducer) is bucket.reducer, "an allreducer was rebuilt")
+        assert_identical_bits(COMM, flat(p.grad for p in params), "gradients")
+        assert_all(COMM, np.allclose(applied + residual_sums(state, params), raw, rtol=0, atol=1e-9),
+                   f"step {step}: applied + residuals != raw gradients")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_set_different_densities_are_refused_out_of_backward_on_every_rank(topology):
+    model = Chosen()
+    ddp, state = hooked(model, "hitopk", density=0.05, topology=topology, settings={"max_density": 0.5})
+    state.density = 0.1 if COMM.rank == 0 else 0.2
+    with pytest.raises(ConfigError, match="different densities"):
+        ddp(chosen_grads(2, 0)[COMM.rank]).backward()
+    state.density = 0.2  # agreed again: DDP and the hook go on
+    ddp.zero_grad()
+    ddp(chosen_grads(2, 1)[COMM.rank]).backward()
+    assert_identical_bits(COMM, flat(p.grad for p in model.ps), "gradients after the refusal")
 
 
 @pytest.mark.mpi(min_size=2)

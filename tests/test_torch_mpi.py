@@ -97,6 +97,47 @@ def test_every_bucket_matches_the_serial_reference(topology, algorithm, values, 
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["topka", "hitopk"])
+def test_the_density_set_between_steps_is_each_steps_with_nothing_rebuilt(topology, algorithm):
+    """``optimizer.density`` moves up and down within max_density: each sparse
+    bucket matches the reference at that step's density; the dense bucket
+    (dense=) is untouched by it; the allreducers are the ones first made."""
+    model = Controlled()
+    opt = wrap(model, topology, algorithm=algorithm, density=0.1, max_density=0.5, selector="exact", dense=["ps.4"])
+    made = [bucket.reducer for bucket in opt.buckets]
+    refs = [Reference(b.reducer.name, COMM.size, topology.emulated_ranks_per_node, sum(p.numel() for p in b.params),
+                      "float32", 0.1) for b in opt.buckets]
+    for step, density in enumerate([0.1, 0.5, 0.05, 0.3]):
+        opt.density = density
+        grads = rank_grads(9, step)
+        opt.zero_grad()
+        model.backward_with(grads[COMM.rank])
+        opt.step()  # the gradients stay the buckets' means
+        for bucket, ref in zip(opt.buckets, refs):
+            ref.density = density if bucket.reducer.sparse else 0.1
+            expected = ref.step([bucket_of(g, model, bucket) for g in grads])
+            assert_all(COMM, np.array_equal(bucket_gradient(opt, bucket), expected),
+                       f"step {step} (density {density}) bucket {bucket.index} differs")
+            assert_all(COMM, np.array_equal(bucket.reducer.residual_full(), ref.residuals[COMM.rank]),
+                       f"step {step} bucket {bucket.index}: residual differs")
+    assert_all(COMM, [bucket.reducer for bucket in opt.buckets] == made, "an allreducer was rebuilt")
+    assert_all(COMM, any(not b.reducer.sparse for b in opt.buckets) and any(b.reducer.sparse for b in opt.buckets),
+               "the test needs a dense bucket and a sparse one")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_set_different_densities_are_refused_at_step_on_every_rank(topology):
+    model = Controlled()
+    opt = wrap(model, topology, algorithm="hitopk", density=0.1, max_density=0.5, selector="exact")
+    opt.density = 0.2 if COMM.rank == 0 else 0.3
+    model.backward_with(rank_grads(3, 0)[COMM.rank])
+    before = parameters_of(model)
+    with pytest.raises(ConfigError, match="different densities"):
+        opt.step()
+    assert_all(COMM, np.array_equal(parameters_of(model), before), "a refused step moved the parameters")
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", reproducible())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_16_bit_parameters_get_the_float32_reference_rounded_once(topology, algorithm, dtype):

@@ -90,7 +90,9 @@ class HookState:
 
     def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology], comm: Any,
                  error_feedback: bool, non_finite: str, grad_scaler: Any, settings: Dict[str, Any]):
-        self.algorithm, self.density, self.selector = algorithm, density, selector
+        self.algorithm, self.selector = algorithm, selector
+        self.density = density  # the next iteration's (sparse buckets): settable between iterations
+        self._built_density = self._iteration_density = density  # what allreducers are made with; this iteration's
         self.error_feedback = error_feedback
         self.non_finite, self.grad_scaler = non_finite, grad_scaler
         self._scale = 1.0  # the loss scale the residuals and the carry are in units of
@@ -172,6 +174,7 @@ class HookState:
                 if job.index == 0:  # the iteration's first bucket: none is being reduced
                     self._kept, self._taken, self._overflowed = [], {}, False
                     self._follow_scale()
+                    self._iteration_density = self.density
                 result = job.future.set_result, job.buffer
                 try:
                     bucket = self._bucket(job)
@@ -203,7 +206,7 @@ class HookState:
                      {"parameters": [(tuple(p.shape), str(p.dtype)) for p in job.params]})
         shapes = {"shapes": [tuple(p.shape) for p in job.params]} if self.algorithm == "powersgd" else {}
         reducer = auto.make_allreducer(self.algorithm, self.topology, job.buffer.numel(),
-                                       str(job.buffer.dtype).replace("torch.", ""), self.density, self.selector,
+                                       str(job.buffer.dtype).replace("torch.", ""), self._built_density, self.selector,
                                        pricing=self.pricing, error_feedback=self.error_feedback, **self.settings,
                                        **shapes)
         bucket = self.buckets[job.index] = _Bucket(job.params, reducer)
@@ -221,7 +224,8 @@ class HookState:
                 bucket.residual_of(i, job.buffer).add_(values.to(job.buffer.dtype))
         try:
             array = as_array(job.buffer)
-            bucket.reducer.allreduce(array, out=array)
+            bucket.reducer.allreduce(array, out=array,
+                                     density=self._iteration_density if bucket.reducer.sparse else None)
         except NonFiniteGradientError:
             self._overflowed = True
             if carried:
@@ -428,6 +432,10 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
     So does any other error of a bucket's reduction, once DDP has finished
     the iteration: DDP stays usable. Under ``GradScaler`` with error feedback
     pass the scaler as ``grad_scaler``, so that the residuals follow its scale.
+    With ``max_density=`` (an option of ``make_allreducer``) the density may
+    change between iterations with nothing rebuilt: set ``state.density``,
+    at most ``max_density``, alike on every rank (else ``backward()`` raises
+    ConfigError on every rank).
     """
     comm = topology.world if topology is not None else job_comm(process_group, transport)
     require_job_world(comm, "spar_comm.torch.comm_hook")

@@ -129,7 +129,7 @@ class _Bucket:
         if self.kept is not None:
             self.reducer.feedback.residual[...] = self.kept
 
-    def reduce(self, streams: NoStreams, non_finite: str, keep: bool) -> None:
+    def reduce(self, streams: NoStreams, non_finite: str, keep: bool, density: float) -> None:
         """Gather the gradients, allreduce in place, and make each ``.grad``
         a view of its result (as DDP's ``gradient_as_bucket_view``): on the
         communication stream, once the gradients' producers are done. A
@@ -137,7 +137,8 @@ class _Bucket:
         accumulation) is in the buffer already and is not copied. A NaN or
         Inf on any rank leaves the allreducer as it was and, unless
         ``non_finite="raise"``, makes the result NaN on every rank. ``keep``
-        copies the residual first, for ``restore``."""
+        copies the residual first, for ``restore``. ``density``: the step's
+        (a sparse allreducer's; a dense one has none)."""
         self.times["start"] = time.perf_counter()
         self.done = True
         with streams.communicating(self.produced):
@@ -147,7 +148,8 @@ class _Bucket:
             if keep:
                 self.kept = self.reducer.feedback.residual.copy()
             try:
-                self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer)
+                self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer,
+                                       density=density if self.reducer.sparse else None)
             except NonFiniteGradientError:  # raised on every rank alike
                 self.overflowed = True
                 if non_finite == "raise":
@@ -168,6 +170,8 @@ class _DistributedOptimizer:
                     error_feedback: bool, non_finite: str, grad_scaler: Any, values: Optional[str],
                     indices: Optional[str], options: Dict[str, Any]) -> None:
         self.topology = topology
+        self.density = density  # the sparse buckets' next step's: settable between steps, up to max_density
+        self._step_density = density  # the step's, read as its first bucket starts
         self.non_finite = non_finite
         self.grad_scaler = grad_scaler
         self._scale = 1.0  # the loss scale the residuals are in units of
@@ -273,8 +277,10 @@ class _DistributedOptimizer:
             try:
                 if job.index == 0:  # the step's first bucket: none is being reduced
                     self._follow_scale()
+                    self._step_density = self.density
                 # A step that may be skipped keeps what it found, so that a skip leaves every residual as it was.
-                job.reduce(self._streams, self.non_finite, self.grad_scaler is not None or self.non_finite == "raise")
+                job.reduce(self._streams, self.non_finite, self.grad_scaler is not None or self.non_finite == "raise",
+                           self._step_density)
             except SparCommError as error:  # raised on every rank alike by the allreducer
                 self._errors.append(error)
         except BaseException:
@@ -544,6 +550,10 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     ``values`` and ``indices`` are the codecs of the messages, and ``options``
     the algorithm's own settings (``powersgd``'s ``rank``), as for
     ``make_allreducer``; the ``dense`` buckets take ``values`` only.
+    ``max_density=`` (an option of ``make_allreducer``) lets the density
+    change between steps with nothing rebuilt: set ``optimizer.density``, as
+    a schedule sets a learning rate, at most ``max_density``, alike on every
+    rank (else ``step()`` raises ConfigError on every rank).
     The returned object is an instance of the optimizer's own class (so LR
     schedulers accept it) sharing its parameter groups and state; use it
     instead of ``optimizer`` from now on. Bad or disagreeing settings, or an
