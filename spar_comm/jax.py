@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +49,21 @@ class SparseAllreduceState(NamedTuple):
     span: jax.Array
 
 
+class ScheduledSparseAllreduceState(NamedTuple):
+    """``SparseAllreduceState`` and the number of updates made, from which a
+    density schedule gives each update's density (as optax's ``count`` gives
+    a learning rate schedule's step)."""
+
+    residual: jax.Array
+    span: jax.Array
+    count: jax.Array
+
+
 def sparse_allreduce(
     algorithm: str = "hitopk",
-    density: float = 0.001,
+    density: Union[float, Callable[[int], Any]] = 0.001,
     *,
+    max_density: Optional[float] = None,
     selector: str = "mstopk",
     topology: Optional[Topology] = None,
     error_feedback: bool = True,
@@ -73,6 +84,13 @@ def sparse_allreduce(
     in it (a 16-bit one in float32, rounded back once, with a float32
     residual), and a mixed-precision tree is refused rather than silently cast.
 
+    ``density`` may be a schedule, as optax's learning rates may: a function
+    of the update's number (``optax.exponential_decay(...)``, say), traced
+    like theirs, each value at most ``max_density`` (required then: the
+    allreducer's buffers are sized for it) and taken as the decimal its
+    float32 stands for. The state is then a ``ScheduledSparseAllreduceState``,
+    which counts the updates.
+
     ``update(grads, state, params=None)`` works eagerly and under ``jax.jit``;
     every rank must call it at the same point of its program. A gradient that
     differs from the parameters (tree, shape, dtype) or holds NaN/Inf on any
@@ -81,6 +99,7 @@ def sparse_allreduce(
     spar_comm error itself. The state is unchanged then, so the step can be skipped.
     """
     bound = _Bound(topology)
+    schedule = density if callable(density) else None
 
     def init(params: Any) -> SparseAllreduceState:
         if bound.topology is None:
@@ -93,14 +112,21 @@ def sparse_allreduce(
         raise_if_any(topology.world, mismatch and f"the parameters differ from rank 0's: {mismatch}")
         size = sum(math.prod(shape) for _, shape, _ in leaves)
         dtype = leaves[0][2] if leaves else "float32"
-        reducer = make_allreducer(algorithm, topology, size, dtype, density, selector, error_feedback=error_feedback,
+        unbounded = schedule is not None and max_density is None
+        raise_if_any(topology.world, "a density schedule needs max_density=, the most it returns (the buffers are "
+                     "sized for it)" if unbounded else None)
+        first = _density_of(schedule(0)) if schedule else density
+        reducer = make_allreducer(algorithm, topology, size, dtype, first, selector, error_feedback=error_feedback,
                                   average=average, selector_options=selector_options, values=values, indices=indices,
-                                  **options)
+                                  max_density=max_density, **options)
         if bound.reducer is not None:  # a jitted step traced before still works with it
             bound.reducer.free()
         bound.reducer, bound.leaves = reducer, leaves
         span, residual = reducer.residual_state()
-        return SparseAllreduceState(residual=jnp.asarray(residual), span=jnp.asarray(span, dtype=jnp.int32))
+        residual, span = jnp.asarray(residual), jnp.asarray(span, dtype=jnp.int32)
+        if schedule:
+            return ScheduledSparseAllreduceState(residual, span, jnp.zeros((), jnp.int32))
+        return SparseAllreduceState(residual=residual, span=span)
 
     def update(updates: Any, state: SparseAllreduceState, params: Any = None) -> Tuple[Any, SparseAllreduceState]:
         del params
@@ -112,15 +138,20 @@ def sparse_allreduce(
         flat, unravel = ravel_pytree(updates)
         # The shapes are this rank's own, so a refused gradient still traces; it
         # is refused on every rank when the callback runs.
+        count = getattr(state, "count", jnp.zeros((), jnp.int32))
+        now = jnp.asarray(schedule(count) if schedule else 0, jnp.float32)  # traced, as optax's schedules are
         mean, residual = io_callback(
-            functools.partial(_reduce_on_host, reducer, problem),
+            functools.partial(_reduce_on_host, reducer, problem, schedule),
             (jax.ShapeDtypeStruct(flat.shape, flat.dtype),
              jax.ShapeDtypeStruct(state.residual.shape, state.residual.dtype)),
             flat,
             state.residual,
             state.span,
+            now,
             ordered=True,
         )
+        if schedule:
+            return unravel(mean), ScheduledSparseAllreduceState(residual, state.span, count + 1)
         return unravel(mean), SparseAllreduceState(residual=residual, span=state.span)
 
     return optax.GradientTransformation(init, update)
@@ -155,11 +186,13 @@ def unwrap_errors() -> Iterator[None]:
 _raised: list = []
 
 
-def _reduce_on_host(reducer: Allreducer, problem: Optional[str], flat: np.ndarray, residual: np.ndarray,
-                    span: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def _reduce_on_host(reducer: Allreducer, problem: Optional[str], schedule: Optional[Callable[[int], Any]],
+                    flat: np.ndarray, residual: np.ndarray, span: np.ndarray,
+                    now: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """One update on the host: allreduce with the state's residual (a writable
-    copy of it: JAX's arrays are not), hand back the mean and the new
-    residual. The allreducer checks the state with the gradient, in its one
+    copy of it: JAX's arrays are not), at the schedule's density ``now``
+    where there is a schedule; hand back the mean and the new residual. The
+    allreducer checks the state and the density with the gradient, in its one
     per-call collective. A gradient found wrong while tracing is withheld, so
     that the allreducer refuses it on every rank; the reason found while
     tracing then replaces the allreducer's. The hot path thus adds no
@@ -167,8 +200,9 @@ def _reduce_on_host(reducer: Allreducer, problem: Optional[str], flat: np.ndarra
     world = reducer.topology.world
     try:
         state = Residual(tuple(span.tolist()), np.array(residual))
+        density = _density_of(now) if schedule else None
         try:
-            mean = reducer.allreduce(_WITHHELD if problem else np.asarray(flat), state=state)
+            mean = reducer.allreduce(_WITHHELD if problem else np.asarray(flat), state=state, density=density)
         except GradientError:  # raised on every rank alike, so every rank is here
             raise_if_any(world, problem, GradientError)
             raise
@@ -178,6 +212,12 @@ def _reduce_on_host(reducer: Allreducer, problem: Optional[str], flat: np.ndarra
         raise
     except BaseException:  # this rank alone: the others wait in a collective
         abort_job(world, "spar_comm.jax sparse_allreduce update")
+
+
+def _density_of(value: Any) -> float:
+    """A schedule's float32 value as the decimal it stands for (0.001, not
+    0.0010000000474974513), so that k is the one the decimal gives."""
+    return float(str(np.float32(value)))
 
 
 #: What a rank passes instead of a gradient found wrong while tracing: every

@@ -101,6 +101,30 @@ def test_matches_serial_reference(nodes_of_two, algorithm, values):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["topka", "hitopk"])
+def test_a_density_schedule_gives_each_update_its_density(nodes_of_two, algorithm):
+    """density= a schedule of the update's number (traced under jit, as optax's
+    learning rates are): each update matches the reference at that update's
+    density, on the one allreducer, and the state counts the updates."""
+    p, rank, topology = COMM.size, COMM.rank, nodes_of_two
+    densities = [0.3, 0.3, 0.05, 0.05]
+    tx = sparse_allreduce(algorithm, lambda count: jnp.where(count < 2, 0.3, 0.05), max_density=0.3,
+                          topology=topology, selector="exact")
+    state = tx.init(tree_of(np.zeros(SIZE, np.float32)))
+    update = jitted_update(tx)
+    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, SIZE, "float32", 0.3)
+    for step, density in enumerate(densities):
+        grads = rank_grads(4, step, p)
+        mean, state = update(tree_of(grads[rank]), state)
+        ref.density = density
+        assert_all(COMM, np.array_equal(flat_of(mean), ref.step(grads)), f"step {step}: mean differs at {density}")
+        assert_all(COMM, np.array_equal(full_residual(state), ref.residuals[rank]), f"step {step}: residual differs")
+        assert int(state.count) == step + 1
+    with pytest.raises(ConfigError, match="needs max_density"):
+        sparse_allreduce(algorithm, lambda count: 0.1, topology=topology).init(tree_of(np.zeros(SIZE, np.float32)))
+
+
+@pytest.mark.mpi(min_size=1)
 def test_chain_with_sgd_keeps_ranks_identical(nodes_of_two):
     """optax.chain(sparse_allreduce, sgd) in a jitted step: the update is -lr
     times the reference mean, and parameters stay bit-identical on every rank."""
