@@ -4,6 +4,7 @@ exclusions, the state_dict round trip and resume, and bad input on one rank."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -538,6 +539,19 @@ def test_misuse_is_named(topology):
         opt.zero_grad()
     opt.step()
     opt.zero_grad()
+    model.backward_with(rank_grads(1, 1)[COMM.rank])
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="skip_synchronize"):  # Horovod's recipe, half followed
+        opt.step()
+    model.backward_with(rank_grads(1, 2)[COMM.rank])
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with opt.skip_synchronize():
+            opt.step()  # the recipe
+        model.backward_with(rank_grads(1, 3)[COMM.rank])
+        opt.step()  # backward, then step
+    assert [str(w.message) for w in caught] == []
 
 
 @pytest.mark.mpi(min_size=1)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -201,6 +202,7 @@ class _DistributedOptimizer:
         self._problems = 0
         self._next = 0  # the lowest bucket index not yet started this step
         self._in_flight = False
+        self._reduced = False  # synchronize() ran, and no gradient has been accumulated since
         self._skip = False
         self._backward_end = EndOfBackward(self._backward_ended)
         self.last_wait = 0.0  # seconds the last synchronize() waited
@@ -216,6 +218,7 @@ class _DistributedOptimizer:
     # -- backward ------------------------------------------------------------------------
     def _hook(self, bucket: _Bucket, i: int):
         def on_grad_accumulated(_: torch.Tensor) -> None:
+            self._reduced = False
             bucket.passes[i] += 1
             if bucket.passes[i] > self.backward_passes_per_step:
                 self._problems |= _TOO_MANY_PASSES  # agreed and raised at synchronize()
@@ -329,6 +332,7 @@ class _DistributedOptimizer:
             self._streams.consume(bucket.finished)
         errors, problems = self._errors, int(self._flags[0])
         self._errors, self._problems, self._next, self._in_flight = [], 0, 0, False
+        self._reduced = True
         self.last_timings = self.bucket_timings()
         if any(bucket.overflowed for bucket in self.buckets):  # on every rank alike: the step will be skipped
             for bucket in self.buckets:
@@ -364,6 +368,10 @@ class _DistributedOptimizer:
         same on every rank: it read the reduced gradients), else unscale them
         first, as GradScaler would have."""
         if not self._skip:
+            if self._reduced:  # as Horovod warns
+                warnings.warn("step() after synchronize() with no backward between reduces the gradients again "
+                              "(their mean, as if it were a gradient): call step() inside "
+                              "`with optimizer.skip_synchronize():`", stacklevel=2)
             self.synchronize()
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         if found_inf is None:
