@@ -27,9 +27,18 @@ RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 
 
+#: Seconds a test may take before it dumps its stack and ends its process (and so the launch).
+TEST_LIMIT = 240
+
+
+def launch_limit(limit: float, ranks: int) -> float:
+    """A launch's seconds: ``limit`` up to 4 ranks, more beyond in proportion,
+    since every rank shares the same cores (6 ranks on 2 cores ran for 600 s)."""
+    return limit * max(1.0, ranks / 4)
+
+
 def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extra: list) -> dict:
-    # A test stuck past this dumps its stack and ends its process (and so the launch).
-    test_limit = max(10, int(limit * 0.4))
+    test_limit = min(TEST_LIMIT, max(10, int(limit * 0.4)))
     logs = tempfile.mkdtemp(prefix="spar_comm_mpi_tests_")
     command = [
         mpiexec, "-n", str(ranks), sys.executable, __file__, "--rank-log", logs, "--",
@@ -107,7 +116,9 @@ def main() -> int:
         exec_with_rank_log(sys.argv[2], sys.argv[4:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mpiexec", default="mpiexec", help="the MPI launcher (default: %(default)s)")
-    parser.add_argument("--limit", type=float, default=600, help="seconds per launch before it is killed")
+    parser.add_argument("--limit", type=float, default=600,
+                        help="seconds per launch of up to 4 ranks before it is killed, more beyond in proportion "
+                             "(default: %(default)s)")
     parser.add_argument("--launches", type=launches, default=LAUNCHES,
                         help="RANKS:RANKS_PER_NODE of each launch, comma-separated (default: %(default)s)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, e.g. a test file or -k EXPR")
@@ -116,7 +127,7 @@ def main() -> int:
     passed = failed = skipped = 0
     for ranks, rpn in args.launches:
         before = mpi_segments()
-        result = run_launch(args.mpiexec, ranks, rpn, args.limit, args.pytest_args or ["tests"])
+        result = run_launch(args.mpiexec, ranks, rpn, launch_limit(args.limit, ranks), args.pytest_args or ["tests"])
         remove_orphaned_segments(before)  # a launch killed at its limit leaves them
         counts = result["summary"]
         passed += counts.get("passed", 0)
