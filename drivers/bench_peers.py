@@ -582,7 +582,7 @@ def main() -> None:
     if world.rank == 0:
         report(args, world, topology, results, parameters)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        sct.destroy_process_group()
 
 
 def report(args: argparse.Namespace, world: MPI.Comm, topology: Topology, results: List[dict],

@@ -121,7 +121,7 @@ def main():
         print(f"done: DDP on {device}, {len(hook_state.buckets)} buckets, {time.perf_counter() - started:.1f} s, "
               f"bytes_staged {staged} in the last step; parameters identical on all {world} ranks "
               f"(sha256 {digest[:16]})", flush=True)
-    torch.distributed.destroy_process_group()
+    sct.destroy_process_group()           # torch's, once gloo's workers let go    # spar_comm
 
 
 class Trainer:

@@ -20,10 +20,10 @@ def test_the_change_to_a_plain_script_is_about_five_marked_lines():
 
 
 def test_the_ddp_example_changes_a_plain_ddp_script_in_a_few_marked_lines():
-    """A few lines for the hook; two more to save and resume on any world."""
+    """A few lines for the hook and the end; two more to save and resume on any world."""
     lines = (ROOT / "drivers" / "train_ddp.py").read_text().splitlines()
     marked = [line for line in lines if line.rstrip().endswith("# spar_comm")]
-    assert 3 <= len(marked) <= 5, marked
+    assert 3 <= len(marked) <= 6, marked
     checkpoint = [line for line in lines if line.rstrip().endswith("# spar_comm checkpoint")]
     assert [line.split("=")[-1].split("(")[0].strip() for line in checkpoint] == [
         "sct.load_checkpoint", "sct.save_checkpoint"], checkpoint

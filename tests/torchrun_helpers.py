@@ -8,6 +8,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import spar_comm.torch as sct
+
 SHAPES = [(7, 5), (40,), (30,), (4, 4), (11,)]
 
 
@@ -46,4 +48,4 @@ def report(summary: str, failures: List[str]) -> None:
     say(f"rank {rank}: {summary}")
     for failure in failures:
         say(f"rank {rank}: FAILED {failure}")
-    dist.destroy_process_group()
+    sct.destroy_process_group()

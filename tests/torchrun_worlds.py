@@ -56,7 +56,7 @@ def main() -> None:
         ddp(torch.full((1, 6), float(RANK + 1), dtype=torch.float64)).sum().backward()
         say(f"rank {RANK}: gradient: {model.weight.grad.sum().item()!r}")
     if dist.is_initialized():
-        dist.destroy_process_group()
+        sct.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from .checkpoint import Resumed, load_checkpoint, save_checkpoint
 from .ddp import HookState, comm_hook
 from .optimizer import (STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
                         local_device, rank, size)
-from .process_group import init_process_group
+from .process_group import destroy_process_group, init_process_group
 
 __all__ = ["DistributedOptimizer", "HookState", "Resumed", "STATE_FORMAT", "broadcast_optimizer_state",
-           "broadcast_parameters", "comm_hook", "init_process_group", "load_checkpoint", "local_device", "rank",
-           "save_checkpoint", "size"]
+           "broadcast_parameters", "comm_hook", "destroy_process_group", "init_process_group", "load_checkpoint",
+           "local_device", "rank", "save_checkpoint", "size"]
