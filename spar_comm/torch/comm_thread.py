@@ -8,9 +8,9 @@ comes back from torch's C++ then (a collective, a copy, a future's
 "terminate called without an active exception", status -6, after a run that
 finished its work. So the exit (``atexit``, which runs before the shutdown)
 stops every such thread: each finishes the job it is in, starts no other
-(its peers may be gone), and leaves. A thread
-that stays in a job for ``EXIT_GRACE_S`` (a collective whose peers are gone)
-is left as it is: it never comes back, and the exit goes on.
+(its peers may be gone), and leaves. A thread that stays in a job for
+``EXIT_GRACE_S`` (a collective whose peers are gone) is left as it is: it
+never comes back, and the exit goes on.
 """
 from __future__ import annotations
 
