@@ -347,9 +347,7 @@ def _redistributed(saved: Saved, path: str, group: Group, spans: List[Tuple[int,
     rank covers (an algorithm that keeps none) is a ConfigError."""
     index, rank = saved.parts, group.rank
     with waiting.watched(f"reading the parts of the checkpoint {path}", group.comm, patient=True):
-        lost = redistribute.uncovered(spans, index.size)
-
-        def read() -> Tuple[np.ndarray, Optional[np.ndarray], bool]:
+        def read() -> Tuple[np.ndarray, Optional[np.ndarray], List[Tuple[int, int]]]:
             cache: dict = {}  # one part at a time: a rank's reads cost its own state and one part
 
             def part(r: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
@@ -364,13 +362,12 @@ def _redistributed(saved: Saved, path: str, group: Group, spans: List[Tuple[int,
                 whole = [(0, index.size)] * group.size
                 local = redistribute.redistributed(rank, whole, [(0, index.size)] * index.world,
                                                    lambda r: part(r)[1], dtype)
-            kept_nothing = rank == 0 and bool(redistribute.lost(spans, index.size, index.spans,
-                                                                lambda r: part(r)[0], dtype))
-            return residual, local, kept_nothing
+            lost = redistribute.lost(spans, index.size, index.spans, lambda r: part(r)[0], dtype) if rank == 0 else []
+            return residual, local, lost
 
-        residual, local, kept_nothing = agree(group.comm, read)
-        kept_nothing = group.comm.bcast(kept_nothing, root=0)
-    if kept_nothing:
+        residual, local, lost = agree(group.comm, read)
+        lost = group.comm.bcast(lost, root=0)
+    if lost:
         raise ConfigError(f"cannot resume {path} on {group.size} ranks: this run's allreducer keeps no residual "
                           f"where the saved ones hold values ({lost})")
     if rank == 0:
