@@ -1,9 +1,13 @@
-"""Is every entry finite? One compiled pass over the bit patterns.
+"""Is every entry finite? One compiled pass, as fast as a read.
 
-A float is NaN or +-Inf exactly when its exponent bits are all ones, so the
-largest masked exponent answers for the whole array. The integer max
-vectorises, unlike a float reduction that must respect NaN, and it is about
-five times faster than ``isfinite(x.min()) and isfinite(x.max())``.
+For float32 and float64 the pass sums ``x * 0``: a finite entry adds a
+zero, an Inf or a NaN makes the sum NaN. Letting the compiler reassociate
+the sum vectorises it (it does not let it assume the entries finite, so
+``x * 0`` is not folded away); it runs at the speed of ``x.max()``, where
+the largest masked exponent (below) took 1.3 times as long, its integers
+widened to 64 bits by Numba's typing. 16-bit floats, which Numba cannot
+multiply, keep the exponent test: a float is NaN or +-Inf exactly when its
+exponent bits are all ones.
 """
 from __future__ import annotations
 
@@ -16,9 +20,15 @@ from . import passes
 _EXPONENT = {
     np.dtype(np.float16): (np.uint16, 0x7C00),
     np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
-    np.dtype(np.float32): (np.uint32, 0x7F800000),
-    np.dtype(np.float64): (np.uint64, 0x7FF0000000000000),
 }
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc"})
+def _sum_of_zeros(x: np.ndarray, zero) -> float:
+    total = zero
+    for i in range(x.size):
+        total += x[i] * zero
+    return total
 
 
 @numba.njit(nogil=True, cache=True)
@@ -31,7 +41,9 @@ def _largest_exponent(bits: np.ndarray, mask) -> int:
 
 def all_finite(x: np.ndarray) -> bool:
     """True when no entry of the contiguous float array ``x`` is NaN or Inf."""
-    unsigned, mask = _EXPONENT[x.dtype]
-    mask = unsigned(mask)
     passes.book("finite", x.size)
-    return bool(_largest_exponent(x.reshape(-1).view(unsigned), mask) != mask)
+    flat = x.reshape(-1)
+    if x.dtype in _EXPONENT:
+        unsigned, mask = _EXPONENT[x.dtype]
+        return bool(_largest_exponent(flat.view(unsigned), unsigned(mask)) != mask)
+    return bool(_sum_of_zeros(flat, x.dtype.type(0)) == 0)

@@ -2,6 +2,7 @@
 and the emulated node size from the environment."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -80,7 +81,7 @@ def test_ranks_per_node_from_the_environment(monkeypatch):
 
 @settings(max_examples=80, deadline=None)  # the first call of each dtype compiles
 @given(
-    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    dtype=st.sampled_from(["float16", "bfloat16", "float32", "float64"]),
     n=st.integers(1, 300),
     bad=st.sampled_from([None, np.nan, np.inf, -np.inf]),
     data=st.data(),
@@ -88,7 +89,11 @@ def test_ranks_per_node_from_the_environment(monkeypatch):
 def test_all_finite_finds_any_nan_or_inf(dtype, n, bad, data):
     from spar_comm.kernels import all_finite
 
-    x = np.random.default_rng(n).standard_normal(n).astype(dtype) * 1e3
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = (np.random.default_rng(n).standard_normal(n) * 1e3).astype(dtype)
+    info = ml_dtypes.finfo(dtype)
+    for extreme in (info.max, -info.max, info.smallest_subnormal, -0.0):  # finite, at the edges
+        x[data.draw(st.integers(0, n - 1))] = extreme
     if bad is not None:
         x[data.draw(st.integers(0, n - 1))] = bad
     assert all_finite(x) == (bad is None) == bool(np.isfinite(x).all())
