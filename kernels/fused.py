@@ -18,21 +18,22 @@ from typing import Any
 import numpy as np
 
 from . import passes
-from .magnitude import SAMPLE, float_layout, sample_floors, sample_step, scan
+from .magnitude import SAMPLE, Fresh, float_layout, sample_floors, sample_step, scan
 from .selection import Selector
 
 
-def add_and_select(selector: Selector, values: np.ndarray, fresh: np.ndarray, k: int) -> np.ndarray:
+def add_and_select(selector: Selector, values: np.ndarray, fresh: Fresh, k: int) -> np.ndarray:
     """``values += fresh`` (a 16-bit float ``fresh`` widened exactly to the
-    float32 ``values``), then the positions ``selector`` picks from the sum:
-    the same as ``values += fresh; selector(values, k)``, in one sweep over
-    both arrays where the selector ranks candidates (``values`` a float array
-    of over ``4 * SAMPLE`` entries and ``k`` below its length)."""
+    float32 ``values``; a tuple of arrays added as their sum in order, as a
+    node's parts of a shard are), then the positions ``selector`` picks from
+    the sum: the same as ``values += fresh; selector(values, k)``, in one
+    sweep over the arrays where the selector ranks candidates (``values`` a
+    float array of over ``4 * SAMPLE`` entries and ``k`` below its length)."""
     n = values.size
     layout = float_layout(values.dtype)
     if layout is None or n <= 4 * SAMPLE or k >= n:  # a small vector: its selectors rank every key anyway
-        values += fresh.astype(values.dtype, copy=False)
-        passes.book("feedback add", 2 * n, n)
+        values += summed(fresh, slice(None), values.dtype)
+        passes.book("feedback add", n * (1 + (len(fresh) if isinstance(fresh, tuple) else 1)), n)
         return selector(values, k)
     floor, expect = first_floor(selector, values, fresh, k)
     positions, _ = scan(values, layout, floor, 2 * expect, fresh)
@@ -41,7 +42,17 @@ def add_and_select(selector: Selector, values: np.ndarray, fresh: np.ndarray, k:
     return positions[selector(values[positions], k)]
 
 
-def first_floor(selector: Any, values: np.ndarray, fresh: np.ndarray, k: int) -> tuple:
+def summed(fresh: Fresh, where: Any, dtype: np.dtype) -> np.ndarray:
+    """``fresh[where]`` in ``dtype``; for a tuple, the sum of its parts there, in order."""
+    if not isinstance(fresh, tuple):
+        return fresh[where].astype(dtype, copy=False)
+    total = fresh[0][where].astype(dtype)  # a copy: the parts stay as they are
+    for part in fresh[1:]:
+        total += part[where]
+    return total
+
+
+def first_floor(selector: Any, values: np.ndarray, fresh: Fresh, k: int) -> tuple:
     """The key floor the sweep collects from and how many it expects: the
     selector's warm start where it keeps one, else the sample floor of the sum to be."""
     warm = getattr(selector, "warm_floor", None)
@@ -49,5 +60,6 @@ def first_floor(selector: Any, values: np.ndarray, fresh: np.ndarray, k: int) ->
     if floor is not None:
         return floor, k
     step = sample_step(values.size)
-    sample = values[step] + fresh[step].astype(values.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # as silent as the sweep's own add
+        sample = values[step] + summed(fresh, step, values.dtype)
     return next(sample_floors(values, float_layout(values.dtype), k, sample))

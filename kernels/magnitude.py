@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Tuple, Union
 
 import numba
 import numpy as np
@@ -34,6 +34,10 @@ from . import passes
 
 #: Entries per strided sample used to estimate where the k-th magnitude lies.
 SAMPLE = 1 << 15
+
+
+#: What a sweep adds: an array, or a tuple of arrays added as their sum.
+Fresh = Union[np.ndarray, Tuple[np.ndarray, ...], None]
 
 
 class FloatLayout(NamedTuple):
@@ -119,49 +123,84 @@ def _scan(bits, mask, floor, positions, keys):  # pragma: no cover - compiled
 
 
 #: Entries a sweep adds and tests at once: small enough that at density 0.001
-#: most blocks hold no candidate and are passed over after one vectorised maximum.
-BLOCK = 256
+#: most blocks hold no candidate and are passed over once added.
+BLOCK = 64
 
 
 @numba.njit(nogil=True, cache=True)
-def _sweep(values, bits, fresh, widen, mask, floor, positions, keys):  # pragma: no cover - compiled
+def _sweep(values, bits, fresh, widen, mask, floor, least, positions, keys):  # pragma: no cover - compiled
     """``_scan`` of ``values`` after adding ``fresh`` into it (widened through
-    the table ``widen`` when given). ``bits`` is a view of ``values``.
+    the table ``widen`` when given). ``bits`` is a view of ``values``, and
+    ``least`` the magnitude whose key is ``floor``.
 
-    Block by block, so that the add and the largest key vectorise (a plain
-    branch per entry, as in ``_scan``, kept the add from vectorising and cost
-    more than the pass it saved), and only a block that reaches the floor is
-    searched, while it is in cache.
+    Block by block: the add compares each sum with ``least`` as it goes, as
+    floats, which vectorises with the add (``not |x| < least`` holds for a
+    NaN too, whose key lies above every floor, and for every entry when
+    ``least`` is itself a NaN pattern), and only a block that reaches it is
+    searched by key, while it is in cache. A block's test on its keys instead
+    (their largest, after the add) widened them to 64 bits and cost half a
+    read more; a branch per entry kept the add from vectorising.
     """
     count = 0
-    capacity = positions.size
     for start in range(0, values.size, BLOCK):
         stop = min(start + BLOCK, values.size)
-        _add(values[start:stop], fresh[start:stop], widen)
-        block = bits[start:stop]
-        largest = block.dtype.type(0)
+        if _add_reaches(values[start:stop], fresh[start:stop], widen, least):
+            count = _collect(bits, start, stop, mask, floor, positions, keys, count)
+    return count
+
+
+@numba.njit(nogil=True, cache=True)
+def _sweep_parts(values, bits, parts, mask, floor, least, positions, keys):  # pragma: no cover - compiled
+    """``_sweep`` of the sum of ``parts`` (a tuple of arrays of ``values``'
+    dtype), taken block by block in their order as ``sum_parts`` takes it:
+    the node's sum of a shard and the candidate pass of its residual in one."""
+    count = 0
+    partial = np.empty(BLOCK, values.dtype)
+    for start in range(0, values.size, BLOCK):
+        stop = min(start + BLOCK, values.size)
+        block = partial[: stop - start]
+        first = parts[0][start:stop]
         for i in range(block.size):
-            largest = max(largest, block[i] & mask)
-        if largest < floor:
-            continue
-        for i in range(block.size):
-            key = block[i] & mask
-            if key >= floor:
-                if count < capacity:
-                    positions[count] = start + i
-                    keys[count] = key
-                count += 1
+            block[i] = first[i]
+        for j in range(1, len(parts)):
+            part = parts[j][start:stop]
+            for i in range(block.size):
+                block[i] += part[i]
+        if _add_reaches(values[start:stop], block, None, least):
+            count = _collect(bits, start, stop, mask, floor, positions, keys, count)
     return count
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _add(values, fresh, widen):  # pragma: no cover - compiled
+def _add_reaches(values, fresh, widen, least):  # pragma: no cover - compiled
+    """``values += fresh``; whether any sum's magnitude is not below ``least``."""
+    reached = False
     if widen is None:
         for i in range(values.size):
-            values[i] += fresh[i]
+            x = values[i] + fresh[i]
+            values[i] = x
+            reached |= not (abs(x) < least)
     else:  # a 16-bit float's bits index the table of their float32 values
         for i in range(values.size):
-            values[i] += widen[fresh[i]]
+            x = values[i] + widen[fresh[i]]
+            values[i] = x
+            reached |= not (abs(x) < least)
+    return reached
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _collect(bits, start, stop, mask, floor, positions, keys, count):  # pragma: no cover - compiled
+    """``_scan`` of ``bits[start:stop]``, its finds written from ``count`` on; the new count."""
+    capacity = positions.size
+    block = bits[start:stop]
+    for i in range(block.size):
+        key = block[i] & mask
+        if key >= floor:
+            if count < capacity:
+                positions[count] = start + i
+                keys[count] = key
+            count += 1
+    return count
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
@@ -183,28 +222,34 @@ def _finite_stats(x, bits, mask, inf_key):  # pragma: no cover - compiled
     return total, top, finite
 
 
-def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: np.ndarray | None = None
+def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fresh = None
          ) -> tuple[np.ndarray, np.ndarray]:
     """Ascending positions and keys of every entry of float array ``x`` with key ``>= floor``;
     with ``fresh``, ``x += fresh`` first, in the same pass (``fresh`` of x's
-    dtype, or a 16-bit float for a float32 ``x``, widened exactly).
+    dtype, or a 16-bit float for a float32 ``x``, widened exactly; or a tuple
+    of arrays of x's dtype, whose sum in order is added).
 
     ``expect`` sizes the output; a second pass, never adding again, runs only when it was too small.
     """
     bits = x.view(layout.bits)
     widen = None
-    if fresh is not None and fresh.dtype != x.dtype:
+    if isinstance(fresh, np.ndarray) and fresh.dtype != x.dtype:
         widen = widening_table(fresh.dtype)
         fresh = fresh.view(np.uint16)
+    mask, least = layout.bits(layout.mask), np.array(floor, dtype=layout.bits).view(x.dtype)[()]
     size = min(x.size, max(expect, 1024))
     while True:
         positions = np.empty(size, dtype=np.int64)
         keys = np.empty(size, dtype=layout.bits)
         if fresh is None:
             count = _scan(bits, layout.mask, floor, positions, keys)
+            passes.book("candidates", x.size)
+        elif isinstance(fresh, tuple):
+            count = _sweep_parts(x, bits, fresh, mask, layout.bits(floor), least, positions, keys)
+            passes.book("node sum and candidates", x.size * (1 + len(fresh)), x.size)
         else:
-            count = _sweep(x, bits, fresh, widen, layout.bits(layout.mask), layout.bits(floor), positions, keys)
-        passes.book("candidates", x.size * (1 if fresh is None else 2), 0 if fresh is None else x.size)
+            count = _sweep(x, bits, fresh, widen, mask, layout.bits(floor), least, positions, keys)
+            passes.book("candidates", 2 * x.size, x.size)
         if count <= size:
             return positions[:count], keys[:count]
         size, fresh, widen = count, None, None

@@ -213,26 +213,66 @@ def test_bad_options_and_methods():
 
 
 @pytest.mark.parametrize("method", EXACT)
-@pytest.mark.parametrize("fresh_dtype", ["float32", "float16", "bfloat16"])
-def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(method, fresh_dtype):
+@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float32", "float16"), ("float32", "bfloat16"),
+                                    ("float64", "float64")])
+def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(method, dtypes):
     """``add_and_select`` leaves the sum's bits in ``values`` and picks the
     contract set of the sum, whether the floor it swept from was right, too
     high (a warm start above the k-th key: the selector searches the sum)
     or too low (more candidates than expected: the sweep's count sizes a
-    second, read-only pass); a 16-bit ``fresh`` is widened exactly."""
+    second, read-only pass); a 16-bit ``fresh`` is widened exactly; a NaN or
+    Inf in ``fresh``, or a sum that overflows, is picked first."""
     import ml_dtypes  # noqa: F401  (bfloat16)
 
     from spar_comm.kernels import add_and_select
 
+    values_dtype, fresh_dtype = dtypes
     rng = np.random.default_rng(41)
     k = LARGE // 1000
     selector = make_selector(method)
-    values = rng.standard_normal(LARGE).astype(np.float32)
-    for scale in (1.0, 2.0**-10, 2.0**12, 1.0):  # a floor as found, then far above, then far below the k-th key
+    values = rng.standard_normal(LARGE).astype(values_dtype)
+    big = np.finfo(values_dtype).max
+    scales = (1.0, 2.0**-10, 2.0**12, 1.0, 1.0)  # a floor as found, then far above, then far below the k-th key
+    for round, scale in enumerate(scales):
         values *= scale  # exact: a power of two
         fresh = (rng.standard_normal(LARGE) * scale).astype(fresh_dtype)
-        total = values + fresh.astype(np.float32)
+        if round == len(scales) - 1:  # not finite, at the ends of blocks and inside
+            fresh[[5, 63, 64, 70000, LARGE - 1]] = np.array([np.nan, -np.inf, np.inf, np.nan, -np.inf], fresh_dtype)
+            values[[200, 201]] = big
+            with np.errstate(over="ignore"):  # in 16 bits, the largest float32 is an Inf already
+                fresh[[200, 201]] = np.array([big, -big]).astype(fresh_dtype)  # sums past the largest, and to 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = values + fresh.astype(values_dtype)
         chosen = add_and_select(selector, values, fresh, k)
         assert values.tobytes() == total.tobytes()
         assert np.array_equal(chosen, contract_set(total, k))
         values[chosen] = 0  # as error feedback forgets what was sent
+
+
+@pytest.mark.parametrize("method", EXACT)
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_the_sum_of_a_nodes_parts_and_the_selection_in_one_sweep_are_sum_parts_then_the_selection(method, count):
+    """``add_and_select`` given a tuple of parts (a node's parts of a shard)
+    leaves in ``values`` the bits ``sum_parts(parts, values, accumulate=True)``
+    leaves, and picks the contract set of that sum, a NaN or Inf in any part first."""
+    from spar_comm.collectives.shm import sum_parts
+    from spar_comm.kernels import add_and_select
+
+    rng = np.random.default_rng(count)
+    k = LARGE // 1000
+    selector = make_selector(method)
+    values = rng.standard_normal(LARGE).astype(np.float32)
+    for round, scale in enumerate((1.0, 2.0**-10, 2.0**12, 1.0)):
+        values *= scale
+        parts = tuple((rng.standard_normal(LARGE) * scale / 3).astype(np.float32) for _ in range(count))
+        if round == 3:
+            parts[-1][[0, 64, 100000]] = [np.nan, np.inf, -np.inf]
+        total = values.copy()
+        with np.errstate(invalid="ignore"):
+            sum_parts(list(parts), total, accumulate=True)
+        kept = [part.copy() for part in parts]
+        chosen = add_and_select(selector, values, parts, k)
+        assert values.tobytes() == total.tobytes()
+        assert all(part.tobytes() == copy.tobytes() for part, copy in zip(parts, kept)), "the parts are read only"
+        assert np.array_equal(chosen, contract_set(total, k))
+        values[chosen] = 0

@@ -13,7 +13,7 @@ the node where bandwidth is plentiful.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -59,8 +59,7 @@ class HiTopKAllreducer(Allreducer):
             touched = self._exchange(picks, out, acc)
             self.averaged_at(out, touched)
             return out
-        acc = self._node_sum_with_residual(grad)
-        picks = [site.topk(acc[site.lo : site.hi]) for site in self.sites]
+        acc, picks = self._node_sum_and_picks(grad)
         gather = self.allgather
         reduced = gather.region  # zero but where the last call wrote
         if self._written.size > WHOLE_PASS_BEYOND * reduced.size:  # as in averaged_at
@@ -84,10 +83,24 @@ class HiTopKAllreducer(Allreducer):
             for site, (indices, values) in zip(self.sites, picks)
         ])
 
-    def _node_sum_with_residual(self, grad: Any) -> Any:
-        """My region of the node's sum plus my residual (the array to select from)."""
+    def _node_sum_and_picks(self, grad: Any) -> Tuple[Any, list]:
+        """My region of the node's sum plus my residual (the array selected
+        from), and each site's picks. Where the node's parts of my region come
+        whole and a residual takes them, each site's candidate pass rides on
+        their sum (``TopK.add_and_pick`` of the parts): one pass over my region
+        where the sum, and then a selector's candidates (and ``mstopk``'s
+        statistics), would each make one."""
         if self.error_feedback:  # summed straight into the residual: one pass fewer
-            self.reduce_scatter(grad, self.feedback.residual, accumulate=True)
-            return self.feedback.residual
-        self.reduce_scatter(grad, self.node_sum)
-        return self.node_sum
+            acc = self.feedback.residual
+            if self.memory.in_host_memory and self.reduce_scatter.sums_whole and all(
+                    site.hi > site.lo for site in self.sites):
+                picks: list = []
+                self.reduce_scatter(grad, acc, accumulate=True, summed=lambda parts: picks.extend(
+                    site.topk.add_and_pick(tuple(part[site.lo : site.hi] for part in parts), slice(site.lo, site.hi))
+                    for site in self.sites))
+                return acc, picks
+            self.reduce_scatter(grad, acc, accumulate=True)
+        else:
+            acc = self.node_sum
+            self.reduce_scatter(grad, acc)
+        return acc, [site.topk(acc[site.lo : site.hi]) for site in self.sites]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -44,6 +44,8 @@ SLOT_BYTES = 64 << 20
 SUM_CHUNK = 1 << 16
 #: Set to 0 to use MPI's own Reduce_scatter and Allgatherv instead.
 ENV_SHARED_MEMORY = "SPAR_COMM_SHM"
+#: A Reduce_scatter's ``summed``: given the parts of this rank's shard, it sums them itself.
+Summed = Optional[Callable[[Tuple[np.ndarray, ...]], None]]
 
 
 def node_collectives(channel: Channel, counts: Sequence[int], dtype: np.dtype, shares_memory: bool,
@@ -51,11 +53,15 @@ def node_collectives(channel: Channel, counts: Sequence[int], dtype: np.dtype, s
     """The fastest Reduce_scatter and Allgather the node allows, as a pair
     ``(reduce_scatter, allgather)``:
 
-    * ``reduce_scatter(send, recv, accumulate=False)`` leaves this rank's
-      shard of the node's sum in ``recv``, or with ``accumulate`` adds it to
-      ``recv`` (the residual) in the same pass; its ``.buffer`` is, with
-      ``shared_buffer``, a whole vector in shared memory where a gradient
-      assembled is read in place (no copy in), and None otherwise;
+    * ``reduce_scatter(send, recv, accumulate=False, summed=None)`` leaves
+      this rank's shard of the node's sum in ``recv``, or with ``accumulate``
+      adds it to ``recv`` (the residual) in the same pass; its ``.buffer`` is,
+      with ``shared_buffer``, a whole vector in shared memory where a gradient
+      assembled is read in place (no copy in), and None otherwise. Where
+      ``.sums_whole``, the shard's parts come in one piece, and a ``summed``
+      given is called with them (every rank's, in rank order) to sum them
+      itself, in a pass of its own making (a selection's candidate pass
+      riding on it), its time not booked here;
     * ``allgather(out, positions=None)`` fills ``out`` with every rank's
       ``allgather.region`` (this rank's part of the result, ``counts[rank]``
       long), given the positions of its nonzeros where the caller knows them.
@@ -97,12 +103,13 @@ class MessageReduceScatter:
     """MPI's own Reduce_scatter, behind the same call."""
 
     buffer = None
+    sums_whole = False  # MPI sums
 
     def __init__(self, channel: Channel, counts: Sequence[int]):
         self.channel, self.counts = channel, list(counts)
         self._sum = None  # made like the first recv given (NumPy or CuPy)
 
-    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
+    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False, summed: Summed = None) -> None:
         if not accumulate:
             self.channel.reduce_scatter(send, recv, self.counts)
             return
@@ -175,10 +182,12 @@ class SharedReduceScatter:
         self.window = NodeWindow(self.comm, 2 * rows * self.piece, dtype)
         self.slots = [segment.reshape(2, rows, self.piece) for segment in self.window.segments]
         self.half = 0  # the half of every slot the next round uses
+        self.sums_whole = self.rounds == 1
 
-    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
+    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False, summed: Summed = None) -> None:
         start = time.perf_counter()
         me, g = self.comm.rank, self.comm.size
+        parts: List[np.ndarray] = []
         for t in range(self.rounds):
             lo, h = t * self.piece, self.half
             for owner in range(g):
@@ -192,9 +201,12 @@ class SharedReduceScatter:
             if n:
                 first = self.offsets[me] + lo
                 parts = [send[first : first + n] if r == me else self.slots[r][h, _row(me, r), :n] for r in range(g)]
-                sum_parts(parts, recv[lo : lo + n], accumulate)
+                if summed is None:
+                    sum_parts(parts, recv[lo : lo + n], accumulate)
             self.half = 1 - h
         self.channel.book(start, (g - 1) * send.nbytes // g)
+        if summed is not None:  # one round (sums_whole): the parts are still in the slots
+            summed(tuple(parts))
 
     def free(self) -> None:
         self.window.free()
@@ -216,6 +228,8 @@ class BufferedReduceScatter:
     ``node_collectives``) ends their reads, and a rank writes its buffer
     again only after it."""
 
+    sums_whole = True
+
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
         self.channel, self.comm, self.counts = channel, channel.comm, list(counts)
         self.shards = [slice(first, first + n) for first, n in zip(displacements(counts), self.counts)]
@@ -223,7 +237,7 @@ class BufferedReduceScatter:
         self.buffer = self.window.segments[self.comm.rank]
         self.buffer[...] = 0  # as a plain buffer starts; MPI does not promise it
 
-    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False) -> None:
+    def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False, summed: Summed = None) -> None:
         start = time.perf_counter()
         me, g, shards = self.comm.rank, self.comm.size, self.shards
         if send.ctypes.data != self.buffer.ctypes.data:  # send is whole and contiguous (checked by the caller)
@@ -233,8 +247,11 @@ class BufferedReduceScatter:
             passes.book("node copy in", send.size - self.counts[me], send.size - self.counts[me])
         self.window.fence()
         parts = [send[shards[me]] if r == me else self.window.segments[r][shards[me]] for r in range(g)]
-        sum_parts(parts, recv, accumulate)
+        if summed is None:
+            sum_parts(parts, recv, accumulate)
         self.channel.book(start, (g - 1) * send.nbytes // g)
+        if summed is not None:
+            summed(tuple(parts))
 
     def free(self) -> None:
         self.window.free()
