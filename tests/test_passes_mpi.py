@@ -37,7 +37,8 @@ def grads(step: int, p: int, dtype) -> list:
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ["topka", "hitopk"])
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"] + [pytest.param(d, marks=pytest.mark.slow)
+                                                              for d in ("float64", "float16")])  # the quick tier: two
 @pytest.mark.parametrize("selector", ["mstopk", "threshold_warm", "exact"])
 def test_the_sweep_matches_the_serial_reference(topology, algorithm, dtype, selector):
     p, rank = COMM.size, COMM.rank

@@ -87,7 +87,7 @@ def test_size_sweep_finds_where_sparse_overtakes_dense():
     assert crossings and crossings[0]["from"] in ("dense", "hier_dense")
 
 
-@pytest.mark.parametrize("args, words", [
+BAD_INPUT = [
     ([*CLUSTER, "--size", "0"], "size must be a whole number"),
     ([*CLUSTER, "--size", "-5"], "positive element count"),
     ([*CLUSTER, "--size", "1.5"], "whole number"),
@@ -103,7 +103,13 @@ def test_size_sweep_finds_where_sparse_overtakes_dense():
     ([*CLUSTER, "--size", "10", "--plot", "x.png"], "--plot needs --sweep"),
     ([*CLUSTER, "--size", "10", "--calibration", "/no/such.json"], "cannot read"),
     (["fit", "/no/such.json"], "cannot read"),
-])
+]
+#: Each case starts predict.py: the quick tier runs one of each kind (size, density, counts, rates, files).
+QUICK = {0, 3, 6, 9, 13}
+
+
+@pytest.mark.parametrize("args, words", [case if i in QUICK else pytest.param(*case, marks=pytest.mark.slow)
+                                         for i, case in enumerate(BAD_INPUT)])
 def test_bad_input_exits_2_with_a_message(args, words):
     code, out = predict(*args)
     assert code == 2 and words in out.err and "Traceback" not in out.err

@@ -41,6 +41,7 @@ def exit_of(parts: dict) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
+@pytest.mark.slow  # 2 s: the quick tier keeps the CommThread's own exit below
 def test_a_bare_daemon_thread_in_torch_at_exit_aborts_the_process():
     """The failure itself, so that the test below is known to test something."""
     run = exit_of(BARE)
@@ -54,6 +55,7 @@ def test_the_exit_waits_for_the_communication_threads_job():
     assert run.stdout.split() == ["main", "ends", "job", "done"]
 
 
+@pytest.mark.slow  # 7 s
 def test_the_exit_leaves_a_thread_stuck_in_its_job_after_the_grace():
     """A job that never ends (a collective whose peers are gone) holds the exit for EXIT_GRACE_S, no longer."""
     script = ("import threading, time\nfrom spar_comm.torch import comm_thread\ncomm_thread.EXIT_GRACE_S = 2.0\n"
