@@ -245,7 +245,7 @@ def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fre
             count = _scan(bits, layout.mask, floor, positions, keys)
             passes.book("candidates", x.size)
         elif isinstance(fresh, tuple):
-            count = _sweep_parts(x, bits, fresh, mask, layout.bits(floor), least, positions, keys)
+            count = _sweep_parts(x, bits, _typed_alike(fresh), mask, layout.bits(floor), least, positions, keys)
             passes.book("node sum and candidates", x.size * (1 + len(fresh)), x.size)
         else:
             count = _sweep(x, bits, fresh, widen, mask, layout.bits(floor), least, positions, keys)
@@ -253,6 +253,18 @@ def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fre
         if count <= size:
             return positions[:count], keys[:count]
         size, fresh, widen = count, None, None
+
+
+def _typed_alike(parts: Tuple[np.ndarray, ...]) -> Tuple[np.ndarray, ...]:
+    """``parts`` as read-only, aligned views, which Numba types alike: a tuple
+    it indexes by a variable must hold one type, and a caller's read-only
+    gradient (a JAX array's, say) meets the node's writable shared memory."""
+    views = []
+    for part in parts:
+        view = (part if part.flags.aligned else part.copy()).view()  # unaligned: never from NumPy's own allocations
+        view.flags.writeable = False
+        views.append(view)
+    return tuple(views)
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,6 +2,7 @@
 fit recovering a known machine, and calibration inputs it must refuse."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -102,6 +103,17 @@ def test_fit_recovers_a_known_machine_on_sizes_it_did_not_see():
     fitted = fit(synthetic_rows(truth, [2**16, 2**18, 2**20, 2**22]), base=GPU)
     errors = [e for *_, e in relative_errors(fitted, synthetic_rows(truth, [2**17, 2**21, 2**23]))]
     assert max(errors) < 0.02
+
+
+def test_selection_rates_in_context_leave_out_what_holds_more_than_selection():
+    """hitopk on a node of several ranks books the node's sum as selection (the
+    candidate pass rides on it), gtopk its merges: neither prices selection."""
+    from spar_comm.costmodel.calibrate import in_context_rates
+
+    rows = synthetic_rows(CPU.replace(gamma=3e-10), [2**16, 2**20, 2**22])
+    slowed = [dataclasses.replace(row, select_seconds=row.select_seconds * 5) for row in rows
+              if row.algorithm == "gtopk" or (row.algorithm == "hitopk" and row.cluster.ranks_per_node > 1)]
+    assert slowed and in_context_rates(rows + slowed) == in_context_rates(rows)
 
 
 def test_load_reads_bench_topk_and_a_saved_calibration(tmp_path):

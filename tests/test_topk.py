@@ -251,22 +251,26 @@ def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(m
 
 @pytest.mark.parametrize("method", EXACT)
 @pytest.mark.parametrize("count", [1, 2, 3])
-def test_the_sum_of_a_nodes_parts_and_the_selection_in_one_sweep_are_sum_parts_then_the_selection(method, count):
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_sum_of_a_nodes_parts_and_the_selection_in_one_sweep_are_sum_parts_then_the_selection(method, count,
+                                                                                                    dtype):
     """``add_and_select`` given a tuple of parts (a node's parts of a shard)
     leaves in ``values`` the bits ``sum_parts(parts, values, accumulate=True)``
-    leaves, and picks the contract set of that sum, a NaN or Inf in any part first."""
+    leaves, and picks the contract set of that sum, a NaN or Inf in any part
+    first; a read-only part (a caller's gradient) among writable ones is read alike."""
     from spar_comm.collectives.shm import sum_parts
     from spar_comm.kernels import add_and_select
 
     rng = np.random.default_rng(count)
     k = LARGE // 1000
     selector = make_selector(method)
-    values = rng.standard_normal(LARGE).astype(np.float32)
+    values = rng.standard_normal(LARGE).astype(dtype)
     for round, scale in enumerate((1.0, 2.0**-10, 2.0**12, 1.0)):
         values *= scale
-        parts = tuple((rng.standard_normal(LARGE) * scale / 3).astype(np.float32) for _ in range(count))
+        parts = tuple((rng.standard_normal(LARGE) * scale / 3).astype(dtype) for _ in range(count))
         if round == 3:
             parts[-1][[0, 64, 100000]] = [np.nan, np.inf, -np.inf]
+        parts[0].flags.writeable = False
         total = values.copy()
         with np.errstate(invalid="ignore"):
             sum_parts(list(parts), total, accumulate=True)

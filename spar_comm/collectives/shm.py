@@ -110,6 +110,8 @@ class MessageReduceScatter:
         self._sum = None  # made like the first recv given (NumPy or CuPy)
 
     def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False, summed: Summed = None) -> None:
+        if summed is not None:
+            raise ValueError("summed= needs the shard's parts, and MPI's Reduce_scatter sums them itself")
         if not accumulate:
             self.channel.reduce_scatter(send, recv, self.counts)
             return
@@ -166,9 +168,11 @@ class NodeWindow:
 
 
 class SharedReduceScatter:
-    """``reduce_scatter(send, recv, accumulate=False)`` for one vector length and
-    ``counts``, through bounded slots. Rank r's slot has a row for every other
-    owner o, at ``_row(o, r)``: nobody copies the shard it owns."""
+    """``reduce_scatter(send, recv, accumulate=False, summed=None)`` for one
+    vector length and ``counts``, through bounded slots. Rank r's slot has a
+    row for every other owner o, at ``_row(o, r)``: nobody copies the shard it
+    owns. A shard that fits one round (``sums_whole``) may go to ``summed``:
+    its parts stay in their slot half until the next call's fence."""
 
     buffer = None
 
@@ -185,6 +189,8 @@ class SharedReduceScatter:
         self.sums_whole = self.rounds == 1
 
     def __call__(self, send: np.ndarray, recv: np.ndarray, accumulate: bool = False, summed: Summed = None) -> None:
+        if summed is not None and not self.sums_whole:
+            raise ValueError(f"summed= needs the shard in one round; this one takes {self.rounds}")
         start = time.perf_counter()
         me, g = self.comm.rank, self.comm.size
         parts: List[np.ndarray] = []
@@ -218,10 +224,11 @@ def _row(owner: int, writer: int) -> int:
 
 
 class BufferedReduceScatter:
-    """``reduce_scatter(send, recv, accumulate=False)`` where each rank's window
-    segment is a whole vector, ``.buffer``. A gradient assembled in ``.buffer``
-    is read where it lies; any other ``send`` is first copied there (the parts
-    other ranks own). Each owner sums its shard out of every rank's buffer.
+    """``reduce_scatter(send, recv, accumulate=False, summed=None)`` where each
+    rank's window segment is a whole vector, ``.buffer``. A gradient assembled
+    in ``.buffer`` is read where it lies; any other ``send`` is first copied
+    there (the parts other ranks own). Each owner sums its shard out of every
+    rank's buffer.
 
     Other ranks may still be reading this rank's buffer when the call
     returns: only the fence of the ``SharedAllgather`` that follows (see

@@ -176,10 +176,13 @@ def topk_rates(document: dict, path: str = "bench_topk JSON") -> Dict[str, Tuple
 
 def in_context_rates(rows: Sequence[Measurement]) -> Dict[str, Tuple[float, float]]:
     """Selection figures from bench_comm's t_select. gtopk is left out: its
-    t_select also holds the merges up the tree."""
+    t_select also holds the merges up the tree; so is hitopk on nodes of
+    more than one rank, whose t_select also holds the node's sum (the
+    candidate pass rides on it)."""
     samples: Dict[str, List[Tuple[float, float]]] = {}
     for row in rows:
-        if row.algorithm in ("topka", "hitopk", "hitopk_leader") and row.select_seconds > 0:
+        node_sum = row.algorithm == "hitopk" and row.cluster.ranks_per_node > 1
+        if row.algorithm in ("topka", "hitopk", "hitopk_leader") and not node_sum and row.select_seconds > 0:
             elements = row.terms()[f"select:{row.selector}"]
             samples.setdefault(row.selector, []).append((elements, row.select_seconds))
     return {selector: selection_line(points) for selector, points in samples.items()}
