@@ -193,35 +193,31 @@ def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("slot_bytes", [64 * 8, None], ids=["rounds", "one round"])
-def test_summed_gets_the_parts_sum_parts_would_sum_or_is_refused(topology, slot_bytes):
+def test_summed_gets_every_ranks_part_of_the_shard_in_rank_order_or_is_refused(topology, slot_bytes):
     """``summed=`` (hitopk's candidate pass riding on the node's sum) is handed
-    every rank's part of this rank's shard, in rank order, where the shard
-    comes in one round; where it takes several, it is refused alike on every
-    rank, before anything is sent."""
+    every local rank's part of this rank's shard, in rank order, where the
+    shard comes in one round; where it takes several, it is refused alike on
+    every rank, before anything is sent."""
     ledger = {"t_intra": 0.0, "bytes_intra": 0, "bytes_staged": 0}
     channel = Channel(topology.local, "intra", ledger)
     n, dtype = 10_007, np.dtype("float32")
     counts = topology.local_shard_counts(n)
     shared = SharedReduceScatter(channel, counts, dtype, **({} if slot_bytes is None else {"slot_bytes": slot_bytes}))
-    grad = np.random.default_rng([5, COMM.rank]).standard_normal(n).astype(dtype)
-    expected = np.empty(counts[topology.local_rank], dtype)
-    channel.reduce_scatter(grad, expected, counts)
+    grads = [np.random.default_rng([5, r]).standard_normal(n).astype(dtype) for r in range(topology.local_size)]
+    first = sum(counts[: topology.local_rank])
+    mine = slice(first, first + counts[topology.local_rank])
     if not shared.sums_whole:
         with pytest.raises(ValueError, match="one round"):
-            shared(grad, expected, summed=lambda parts: None)
+            shared(grads[topology.local_rank], np.empty(0, dtype), summed=lambda parts: None)
     else:
         handed = []
-        shared(grad, np.empty(0, dtype), summed=lambda parts: handed.append(sum_of(parts)))
-        assert_all(COMM, len(handed) == 1 and handed[0].tobytes() == expected.tobytes(),
-                   "summed was not handed the parts of this rank's shard in rank order")
+        shared(grads[topology.local_rank], np.empty(0, dtype), summed=lambda parts: handed.append(
+            [part.copy() for part in parts]))  # copies: the slots are the node's to reuse
+        assert_all(COMM, len(handed) == 1 and len(handed[0]) == topology.local_size and all(
+            part.tobytes() == grad[mine].tobytes() for part, grad in zip(handed[0], grads)),
+            "summed was not handed every rank's part of this rank's shard in rank order")
     shared.free()
     assert_all(COMM, shared.sums_whole == (slot_bytes is None), f"{shared.rounds} rounds, sums_whole {shared.sums_whole}")
-
-
-def sum_of(parts: tuple) -> np.ndarray:
-    total = np.empty_like(parts[0])
-    shm.sum_parts(list(parts), total)
-    return total
 
 
 @pytest.mark.mpi(min_size=2)
