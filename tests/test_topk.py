@@ -233,10 +233,10 @@ def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(m
     values = rng.standard_normal(LARGE).astype(values_dtype)
     big = np.finfo(values_dtype).max
     scales = (1.0, 2.0**-10, 2.0**12, 1.0, 1.0)  # a floor as found, then far above, then far below the k-th key
-    for round, scale in enumerate(scales):
+    for call, scale in enumerate(scales):
         values *= scale  # exact: a power of two
         fresh = (rng.standard_normal(LARGE) * scale).astype(fresh_dtype)
-        if round == len(scales) - 1:  # not finite, at the ends of blocks and inside
+        if call == len(scales) - 1:  # not finite, at the ends of blocks and inside
             fresh[[5, 63, 64, 70000, LARGE - 1]] = np.array([np.nan, -np.inf, np.inf, np.nan, -np.inf], fresh_dtype)
             values[[200, 201]] = big
             with np.errstate(over="ignore"):  # in 16 bits, the largest float32 is an Inf already
@@ -265,10 +265,10 @@ def test_the_sum_of_a_nodes_parts_and_the_selection_in_one_sweep_are_sum_parts_t
     k = LARGE // 1000
     selector = make_selector(method)
     values = rng.standard_normal(LARGE).astype(dtype)
-    for round, scale in enumerate((1.0, 2.0**-10, 2.0**12, 1.0)):
+    for call, scale in enumerate((1.0, 2.0**-10, 2.0**12, 1.0)):
         values *= scale
         parts = tuple((rng.standard_normal(LARGE) * scale / 3).astype(dtype) for _ in range(count))
-        if round == 3:
+        if call == 3:
             parts[-1][[0, 64, 100000]] = [np.nan, np.inf, -np.inf]
         parts[0].flags.writeable = False
         total = values.copy()
