@@ -12,7 +12,7 @@ from mpi4py import MPI
 from mpi_helpers import assert_all, assert_identical_bits
 from reference import Reference, reproducible
 from spar_comm import ALGORITHMS, make_allreducer
-from spar_comm.collectives.channel import Channel
+from spar_comm.collectives.channel import Channel, displacements
 from spar_comm.collectives import shm
 from spar_comm.collectives.shm import (ENV_SHARED_MEMORY, BufferedReduceScatter, MessageReduceScatter,
                                        SharedAllgather, SharedReduceScatter)
@@ -204,7 +204,7 @@ def test_summed_gets_every_ranks_part_of_the_shard_in_rank_order_or_is_refused(t
     counts = topology.local_shard_counts(n)
     shared = SharedReduceScatter(channel, counts, dtype, **({} if slot_bytes is None else {"slot_bytes": slot_bytes}))
     grads = [np.random.default_rng([5, r]).standard_normal(n).astype(dtype) for r in range(topology.local_size)]
-    first = sum(counts[: topology.local_rank])
+    first = displacements(counts)[topology.local_rank]
     mine = slice(first, first + counts[topology.local_rank])
     if not shared.sums_whole:
         with pytest.raises(ValueError, match="one round"):
