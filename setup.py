@@ -3,7 +3,7 @@
 The top-level ``kernels/`` folder is installed as ``spar_comm.kernels``: a
 top-level ``kernels`` module would clash with an unrelated published package.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="spar_comm",
@@ -11,8 +11,8 @@ setup(
     license="Apache-2.0",
     description="Top-k sparsified gradient allreduce (MSTopK, HiTopKComm) on mpi4py",
     python_requires=">=3.9",
-    packages=["spar_comm", "spar_comm.collectives", "spar_comm.costmodel", "spar_comm.kernels", "spar_comm.torch",
-              "spar_comm.training"],
+    # Every subpackage, so none is left out of the wheel as it is added.
+    packages=find_packages(include=["spar_comm", "spar_comm.*"]) + ["spar_comm.kernels"],
     package_dir={"spar_comm": "spar_comm", "spar_comm.kernels": "kernels"},
     package_data={"spar_comm.kernels": ["*.cu"]},
     install_requires=[
