@@ -8,9 +8,10 @@ Steps, each under its own time limit inside --budget (10 minutes by default):
 --device gpu`` at 2^20 to 2^26, float32 and float16, densities 0.001 and
 0.01; ``bench_comm.py --device gpu`` on 2 ranks; ``train.py --device gpu``
 (MLP and CNN); ``train_torch.py`` on CUDA with a 17M-parameter model; the DDP
-hook on CUDA (``train_ddp.py``). It prints the device's name first, and
-rewrites ``gpu-check.json`` and ``gpu-check.md`` in --out after every step,
-so a run cut short keeps what it did. Exit status 0 when every step passed.
+hook on CUDA (``train_ddp.py``); the allreducers and the DDP example over
+torch.distributed on CUDA tensors (NCCL, gloo) under torchrun. It prints the
+device's name first, and rewrites ``gpu-check.json`` and ``gpu-check.md`` in
+--out after every step, so a run cut short keeps what it did. Exit status 0 when every step passed.
 
 ``--simulate`` runs the same plumbing without a GPU (numba-cuda's simulator,
 small sizes, a few tests): how the test suite checks this driver.
@@ -94,6 +95,9 @@ def plan(simulate: bool, python: str, mpiexec: str, work: Path, cub_topk: Option
                           "--epochs", "2"), 120))
     steps.append(Step("train_ddp.py (DDP hook) on CUDA, 2 ranks",
                       mpi(2, "drivers/train_ddp.py", "--device", "cuda", "--density", "0.01", "--epochs", "5"), 90))
+    steps.append(Step("torch.distributed on CUDA: NCCL (1 rank), gloo (2 ranks), under torchrun",
+                      [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=160",
+                       "tests/test_torchrun_gpu.py"], 200))
     return steps + [test_gpu(2), test_gpu(4)]
 
 

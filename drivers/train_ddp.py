@@ -8,6 +8,7 @@ which reduces over torch.distributed's group); two more lines, marked
     torchrun --nproc-per-node 4 drivers/train_ddp.py
     mpiexec -n 4 python drivers/train_ddp.py
     mpiexec -n 2 python drivers/train_ddp.py --device cuda --algorithm hitopk --density 0.001
+    torchrun --nproc-per-node 8 drivers/train_ddp.py --device cuda --backend nccl   # one rank a GPU
     torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 2 --rdzv-backend c10d \
         --rdzv-endpoint HOST0:29400 drivers/train_ddp.py --checkpoint ckpt      # on each host
 
@@ -52,17 +53,24 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=0.05, help="DDP's bucket size (default: %(default)s)")
     parser.add_argument("--device", choices=["cpu", "cuda", "gpu-simulator"], default="cpu",
                         help="cuda: this rank's GPU (default: %(default)s)")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                        help="torch.distributed's backend; nccl takes the CUDA buckets as they are, one rank a GPU "
+                             "(default: %(default)s)")
     parser.add_argument("--checkpoint", metavar="DIR", help="save here, and resume from here when a save is there")
     parser.add_argument("--checkpoint-every", type=int, default=20, metavar="STEPS",
                         help="steps between saves (default: %(default)s)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
+    if args.backend == "nccl" and args.device != "cuda":
+        parser.error("--backend nccl needs --device cuda")
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     torch.manual_seed(0)
-    sct.init_process_group("gloo")                      # from torchrun's or MPI's launch # spar_comm
+    sct.init_process_group(args.backend)                # from torchrun's or MPI's launch # spar_comm
     device = sct.local_device() if args.device == "cuda" else torch.device("cpu")    # spar_comm
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the first NCCL collective
     topology = Topology(device="gpu-simulator") if args.device == "gpu-simulator" else None
 
     x, y = load_digits(return_X_y=True)

@@ -62,23 +62,25 @@ def library_cuda_support(library: Optional[ctypes.CDLL] = None) -> Optional[bool
     return None
 
 
-def local_cuda_aware() -> bool:
-    """This rank's answer: ``SPAR_COMM_CUDA_AWARE`` when set, else the library's.
-    Raises ConfigError for a value of the variable other than 0 or 1."""
+def local_cuda_aware(transport: Optional[bool] = None) -> bool:
+    """This rank's answer: ``SPAR_COMM_CUDA_AWARE`` when set, else the
+    transport's (``transport``: a torch group's backend says), else the MPI
+    library's. Raises ConfigError for a value of the variable other than 0 or 1."""
     text = os.environ.get(ENV_CUDA_AWARE, "").strip()
     if text:
         if text not in ("0", "1"):
             raise ConfigError(f"{ENV_CUDA_AWARE} must be 0 or 1, got {text!r}")
         return text == "1"
-    return bool(library_cuda_support())
+    return transport if transport is not None else bool(library_cuda_support())
 
 
 def cuda_aware(comm: MPI.Comm) -> bool:
-    """Whether every rank of ``comm`` may hand device buffers to MPI. Collective:
-    a bad ``SPAR_COMM_CUDA_AWARE`` on any rank is a ConfigError on every rank;
+    """Whether every rank of ``comm`` may hand device buffers to its transport
+    (MPI, or a torch group: NCCL takes them, gloo does not). Collective: a bad
+    ``SPAR_COMM_CUDA_AWARE`` on any rank is a ConfigError on every rank;
     otherwise the answer is the same on every rank (all must be CUDA-aware)."""
     try:
-        mine, problem = local_cuda_aware(), None
+        mine, problem = local_cuda_aware(getattr(comm, "cuda_aware", None)), None
     except ConfigError as error:
         mine, problem = False, str(error)
     raise_if_any(comm, problem)

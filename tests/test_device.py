@@ -81,6 +81,20 @@ def test_the_variable_overrides_the_library(monkeypatch, value, aware):
     assert device.local_cuda_aware() is aware
 
 
+@pytest.mark.parametrize("value, transport, aware", [(None, True, True), (None, False, False), ("0", True, False),
+                                                       ("1", False, True)])
+def test_a_torch_groups_backend_answers_for_the_library_and_the_variable_for_both(monkeypatch, value, transport,
+                                                                                   aware):
+    """A torch group says whether its backend takes device buffers (NCCL does,
+    gloo does not): the MPI library is not asked; the variable still decides."""
+    if value is None:
+        monkeypatch.delenv(device.ENV_CUDA_AWARE, raising=False)
+    else:
+        monkeypatch.setenv(device.ENV_CUDA_AWARE, value)
+    monkeypatch.setattr(device, "library_cuda_support", lambda: not transport)
+    assert device.local_cuda_aware(transport) is aware
+
+
 @pytest.mark.parametrize("value", ["yes", "2", "true"])
 def test_a_bad_variable_names_itself(monkeypatch, value):
     monkeypatch.setenv(device.ENV_CUDA_AWARE, value)

@@ -77,3 +77,19 @@ def test_mpis_ranks_must_be_the_torch_ranks_once_each(ranks, fine):
     assert (problem is None) == fine, problem
     if not fine:
         assert problem.startswith("MPI's world and the torch job hold different processes (MPI rank 0 is torch rank")
+
+
+@pytest.mark.parametrize("name, host, device, in_place", [
+    ("gloo", "gloo", "gloo", False), ("nccl", None, "nccl", True), ("cpu:gloo,cuda:nccl", "gloo", "nccl", True),
+    ("cuda:nccl", None, "nccl", True),
+])
+def test_a_groups_backends_say_where_its_buffers_go(monkeypatch, name, host, device, in_place):
+    """gloo takes host tensors (and stays staged by spar_comm on the GPU); NCCL
+    takes device tensors alone, so host buffers cross to the device."""
+    from spar_comm.torch import transport
+
+    monkeypatch.setattr(transport.dist, "get_backend", lambda group: name)
+    assert transport.backends(object()) == (host, device)
+    comm = transport.TorchComm.__new__(transport.TorchComm)
+    comm._host_backend, comm._device_backend = host, device
+    assert comm.cuda_aware is in_place

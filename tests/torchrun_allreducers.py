@@ -4,9 +4,15 @@ allreducer, with and without codecs, over torch.distributed's gloo group
 allows, against the serial reference to the last bit: output, residual, and
 the same bits on every rank; and ``auto``'s timing of the link over the
 group, alike on every rank. Prints ``rank R: CASES cases, FAILURES failed``
-and each failure."""
+and each failure.
+
+``--device gpu`` hands the allreducers CuPy arrays (``--backend nccl`` or
+gloo), and checks the bytes staged through the host: none where the group
+takes device buffers (NCCL; gloo with ``SPAR_COMM_CUDA_AWARE=1``), some
+where it does not."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import sys
@@ -21,7 +27,7 @@ from spar_comm import Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
 from spar_comm.costmodel import CPU, auto  # noqa: E402
 from spar_comm.torch.transport import TorchComm  # noqa: E402
-from torchrun_helpers import report  # noqa: E402
+from torchrun_helpers import report, say  # noqa: E402
 
 STEPS = 3
 
@@ -42,12 +48,23 @@ def cases():
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    args = parser.parse_args()
+    if args.device == "gpu":
+        import cupy
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        cupy.cuda.Device(torch.cuda.current_device()).use()
+    to_device, to_host = (cupy.asarray, cupy.asnumpy) if args.device == "gpu" else (np.asarray, np.asarray)
+    dist.init_process_group(args.backend)
     world = TorchComm.world()
     p, rank = world.size, world.rank
-    count, failures = 0, []
+    count, failures, staged = 0, [], set()
     for rpn in layouts(p):
-        topology = Topology(world, ranks_per_node=rpn)
+        topology = Topology(world, ranks_per_node=rpn, device=args.device)
         assert not topology.local_shares_memory
         for algorithm, n, density, values, indices in cases():
             count += 1
@@ -56,17 +73,19 @@ def main() -> None:
             ref = Reference(algorithm, p, rpn, n, "float32", density, values=values)
             for step in range(STEPS):
                 grads = integer_grads(n, step, p, n, np.float32)
-                out = reducer.allreduce(grads[rank])
+                out = to_host(reducer.allreduce(to_device(grads[rank])))
+                staged.add(reducer.last["bytes_staged"] > 0)
                 expected = ref.step(grads)
                 digests = world.allgather(hashlib.sha256(out.tobytes()).hexdigest())
                 problem = ("output differs from the reference" if not np.array_equal(out, expected) else
-                           "residual differs" if not np.array_equal(reducer.residual_full(), ref.residuals[rank])
+                           "residual differs" if not np.array_equal(to_host(reducer.residual_full()),
+                                                                      ref.residuals[rank])
                            else "ranks differ" if len(set(digests)) > 1 else None)
                 if problem:
                     failures.append(f"{algorithm} n={n} values={values} rpn={rpn} step {step}: {problem}")
                     break
             reducer.free()
-        if topology.num_nodes > 1:  # auto times the link as this transport moves messages
+        if topology.num_nodes > 1 and args.device == "cpu":  # auto times the link as this transport moves messages
             count += 1
             pricing = auto.price(topology)
             beta = pricing.machine.beta_inter
@@ -76,6 +95,8 @@ def main() -> None:
             elif "between nodes over torch.distributed" not in pricing.describe():
                 failures.append(f"auto over rpn={rpn}: {pricing.describe()!r} names no transport")
         topology.free()
+    if args.device == "gpu":
+        say(f"rank {rank}: staging: in place {topology.memory.cuda_aware}, staged {sorted(staged)}")
     report(f"{count} cases, {len(failures)} failed", failures)
 
 

@@ -36,6 +36,7 @@ runs on CPU tensors with those operations doing nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -504,12 +505,23 @@ def size() -> int:
 def local_device() -> torch.device:
     """This rank's GPU as the GPU path picks it (its place among the ranks of
     its host, modulo the device count), or the CPU when CUDA is not available.
-    Collective over the ranks spar_comm.torch works over (``world.job_comm``)."""
+    Collective over the ranks spar_comm.torch works over (``world.job_comm``).
+
+    The place is torchrun's ``LOCAL_RANK`` where set, else found over MPI's
+    world where that holds the job's ranks (``mpiexec``), else over the group:
+    an NCCL group cannot gather before each rank has set its device, which is
+    what this answer is for (``torch.cuda.set_device``)."""
     comm = job_comm()
-    require_job_world(comm, "spar_comm.torch.local_device()")
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if local.isdigit():  # no collective: every rank sees the same sizes
+        check_size(comm, "spar_comm.torch.local_device()")
+        return torch.device("cuda", device_index(int(local), torch.cuda.device_count())) \
+            if torch.cuda.is_available() else torch.device("cpu")
+    ranks = MPI.COMM_WORLD if MPI.COMM_WORLD.size == comm.size else comm
+    require_job_world(ranks, "spar_comm.torch.local_device()")
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    host = ranks.Split_type(MPI.COMM_TYPE_SHARED, key=ranks.rank)
     index = device_index(host.rank, torch.cuda.device_count())
     host.Free()
     return torch.device("cuda", index)

@@ -18,12 +18,22 @@ torchrun's groups (``GROUP_RANK``) where set, else the hosts' names.
 
 The node's shared-memory windows need MPI (``transport`` is ``"torch"``):
 the node's collectives go through the group instead.
+
+Device arrays (CuPy's) reach torch as CUDA tensors, without a copy. Each call
+puts its tensors where the group's backend takes them: NCCL takes device
+memory only (a host buffer, such as a check's verdicts, crosses to the device
+and back), gloo host memory, and device memory in its collectives but not in
+``isend``/``irecv`` (a CUDA tensor there breaks the group: it crosses to the
+host). Work on device tensors is queued on CuPy's current stream, so it comes
+after the kernels that wrote the buffers and before those that read them.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,14 +48,24 @@ from ..mpi_strings import processor_name
 _OPS = {MPI.SUM.py2f(): dist.ReduceOp.SUM, MPI.MIN.py2f(): dist.ReduceOp.MIN, MPI.MAX.py2f(): dist.ReduceOp.MAX,
         MPI.BOR.py2f(): dist.ReduceOp.BOR, MPI.BAND.py2f(): dist.ReduceOp.BAND}
 _FOLDS = {MPI.SUM.py2f(): sum, MPI.MIN.py2f(): min, MPI.MAX.py2f(): max}
+#: The bitwise operations, folded over an Allgather where the backend lacks them (NCCL).
+_BITWISE = {MPI.BOR.py2f(): torch.bitwise_or, MPI.BAND.py2f(): torch.bitwise_and}
+
+
+def _is_device(buf: Any) -> bool:
+    array = buf[0] if isinstance(buf, (list, tuple)) else buf
+    return hasattr(array, "__cuda_array_interface__") and not isinstance(array, torch.Tensor)
 
 
 def _tensor(buf: Any) -> torch.Tensor:
-    """A NumPy array (or mpi4py's ``[array, count, datatype]``) as a tensor
-    sharing its memory: its own dtype where torch has it, else bytes."""
+    """A NumPy or CuPy array (or mpi4py's ``[array, count, datatype]``) as a
+    tensor sharing its memory: its own dtype where torch has it, else bytes."""
     if isinstance(buf, (list, tuple)):
         array, count = buf[0], buf[1]
-        return torch.from_numpy(np.asarray(array).reshape(-1).view(np.uint8)[:count])
+        array = array if _is_device(array) else np.asarray(array)
+        return _tensor(array.reshape(-1).view(np.uint8)[:count])
+    if _is_device(buf):
+        return torch.as_tensor(buf.reshape(-1), device=torch.device("cuda", buf.device.id))
     array = np.asarray(buf).reshape(-1)
     try:
         return torch.from_numpy(array)
@@ -55,6 +75,17 @@ def _tensor(buf: Any) -> torch.Tensor:
 
 def _bytes(buf: Any) -> torch.Tensor:
     return _tensor(buf).view(torch.uint8)
+
+
+def backends(group: Any) -> Tuple[Optional[str], Optional[str]]:
+    """The backends of ``group`` for host and for CUDA tensors, None where it has
+    none: ``"gloo"`` serves both, ``"nccl"`` CUDA alone, and a group made with
+    ``"cpu:gloo,cuda:nccl"`` names each."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" in name:
+        named = dict(part.split(":", 1) for part in name.split(","))
+        return named.get("cpu"), named.get("cuda")
+    return (None if name == "nccl" else name), name
 
 
 #: Blocks of equal size from every rank, end to end: torch 2.13 renamed the
@@ -77,6 +108,18 @@ class _Done:
         return None
 
 
+def _ordered(*tensors: Optional[torch.Tensor]) -> Any:
+    """Torch's current stream set to CuPy's, where a tensor is on the device."""
+    if not any(t is not None and t.is_cuda for t in tensors):
+        return contextlib.nullcontext()
+    import cupy
+
+    ptr = cupy.cuda.get_current_stream().ptr
+    if ptr == torch.cuda.current_stream().cuda_stream:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.default_stream() if ptr == 0 else torch.cuda.ExternalStream(ptr))
+
+
 class TorchComm:
     """The ranks of a process group, spoken to as an mpi4py ``Comm``.
     ``ranks`` are their ranks in torch's default group, in this comm's order."""
@@ -89,6 +132,32 @@ class TorchComm:
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank())
         self.name = ""
+        self._host_backend, self._device_backend = backends(group)
+
+    @property
+    def cuda_aware(self) -> bool:
+        """Whether device buffers go to the backend as they are (NCCL), rather
+        than through host buffers that spar_comm stages and counts."""
+        return self._device_backend not in (None, "gloo")
+
+    def _place(self, t: torch.Tensor, p2p: bool = False) -> torch.Tensor:
+        """``t``, or a copy of it where the backend takes it (see the module's docstring)."""
+        if t.is_cuda and (self._device_backend is None or (p2p and self._device_backend == "gloo")):
+            return t.cpu()
+        if not t.is_cuda and self._host_backend is None:
+            return t.to(torch.device("cuda", torch.cuda.current_device()))
+        return t
+
+    @contextlib.contextmanager
+    def _placed(self, send: Optional[torch.Tensor], recv: Optional[torch.Tensor], p2p: bool = False
+                ) -> Iterator[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """``send`` and ``recv`` as the backend takes them, on CuPy's current
+        stream where either is on the device; ``recv`` is written back after."""
+        with _ordered(send, recv):
+            placed = [None if t is None else self._place(t, p2p) for t in (send, recv)]
+            yield placed[0], placed[1]
+            if recv is not None and placed[1] is not recv:
+                recv.copy_(placed[1])
 
     def Set_name(self, name: str) -> None:  # noqa: N802
         """What the deadlines' messages call this comm ("inside a node", ...)."""
@@ -160,57 +229,69 @@ class TorchComm:
         out = _tensor(recv)
         if send is not MPI.IN_PLACE:
             out.copy_(_tensor(send))
-        dist.all_reduce(out, op=_OPS[op.py2f()], group=self.group)
+        with self._placed(None, out) as (_, placed):
+            if op.py2f() in _BITWISE and self._host_backend is None:  # NCCL has no bitwise operations
+                gathered = torch.empty(self.size * placed.numel(), dtype=placed.dtype, device=placed.device)
+                _all_gather(gathered, placed, group=self.group)
+                placed.copy_(functools.reduce(_BITWISE[op.py2f()], gathered.view(self.size, -1)))
+            else:
+                dist.all_reduce(placed, op=_OPS[op.py2f()], group=self.group)
 
     def Reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: Any = MPI.SUM) -> None:  # noqa: N802
-        parts = list(torch.split(_tensor(send), list(counts)))
-        dist.reduce_scatter(_tensor(recv), parts, op=_OPS[op.py2f()], group=self.group)
+        with self._placed(_tensor(send), _tensor(recv)) as (whole, mine):
+            dist.reduce_scatter(mine, list(torch.split(whole, list(counts))), op=_OPS[op.py2f()], group=self.group)
 
     def Allgather(self, send: Any, recv: Any) -> None:  # noqa: N802
-        _all_gather(_bytes(recv), _bytes(send), group=self.group)
+        with self._placed(_bytes(send), _bytes(recv)) as (mine, out):
+            _all_gather(out, mine, group=self.group)
 
     def Allgatherv(self, send: Any, spec: Any) -> None:  # noqa: N802
         """``spec``: ``[recv, (counts, displacements)]`` in elements of recv's dtype."""
         recv, (counts, displacements) = spec
-        width = np.asarray(recv).itemsize
+        width = recv.itemsize
         longest = max(counts) * width
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        mine = _bytes(send)
-        padded[: mine.numel()] = mine
-        gathered = torch.empty(longest * self.size, dtype=torch.uint8)
-        _all_gather(gathered, padded, group=self.group)
-        out = _bytes(recv)
-        for r, (count, start) in enumerate(zip(counts, displacements)):
-            out[start * width : (start + count) * width] = gathered[r * longest : r * longest + count * width]
+        with self._placed(_bytes(send), _bytes(recv)) as (mine, out):
+            padded = torch.zeros(longest, dtype=torch.uint8, device=out.device)
+            padded[: mine.numel()] = mine
+            gathered = torch.empty(longest * self.size, dtype=torch.uint8, device=out.device)
+            _all_gather(gathered, padded, group=self.group)
+            for r, (count, start) in enumerate(zip(counts, displacements)):
+                out[start * width : (start + count) * width] = gathered[r * longest : r * longest + count * width]
 
     def Alltoall(self, send: Any, recv: Any) -> None:  # noqa: N802
-        dist.all_to_all_single(_bytes(recv), _bytes(send), group=self.group)
+        with self._placed(_bytes(send), _bytes(recv)) as (mine, out):
+            dist.all_to_all_single(out, mine, group=self.group)
 
     def Bcast(self, buf: Any, root: int = 0) -> None:  # noqa: N802
-        dist.broadcast(_bytes(buf), src=self.ranks[root], group=self.group)
+        with self._placed(None, _bytes(buf)) as (_, placed):
+            dist.broadcast(placed, src=self.ranks[root], group=self.group)
 
     def Reduce(self, send: Any, recv: Any, op: Any = MPI.SUM, root: int = 0) -> None:  # noqa: N802
         out = _tensor(recv) if self.rank == root else _tensor(send).clone()
         if self.rank == root and send is not MPI.IN_PLACE:
             out.copy_(_tensor(send))
-        dist.reduce(out, dst=self.ranks[root], op=_OPS[op.py2f()], group=self.group)
+        with self._placed(None, out) as (_, placed):
+            dist.reduce(placed, dst=self.ranks[root], op=_OPS[op.py2f()], group=self.group)
 
     def Barrier(self) -> None:  # noqa: N802
         dist.barrier(group=self.group)
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:  # noqa: N802
-        dist.send(_bytes(buf), dst=self.ranks[dest], group=self.group, tag=tag)
+        with self._placed(_bytes(buf), None, p2p=True) as (placed, _):
+            dist.send(placed, dst=self.ranks[dest], group=self.group, tag=tag)
 
     def Recv(self, buf: Any, source: int, tag: int = 0) -> None:  # noqa: N802
-        dist.recv(_bytes(buf), src=self.ranks[source], group=self.group, tag=tag)
+        with self._placed(None, _bytes(buf), p2p=True) as (_, placed):
+            dist.recv(placed, src=self.ranks[source], group=self.group, tag=tag)
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None, source: int = 0,  # noqa: N802
                  recvtag: int = 0) -> None:
         """Both at once: two blocking sends would wait for each other."""
-        works = [dist.isend(_bytes(sendbuf), dst=self.ranks[dest], group=self.group, tag=sendtag),
-                 dist.irecv(_bytes(recvbuf), src=self.ranks[source], group=self.group, tag=recvtag)]
-        for work in works:
-            work.wait()
+        with self._placed(_bytes(sendbuf), _bytes(recvbuf), p2p=True) as (send, recv):
+            works = [dist.isend(send, dst=self.ranks[dest], group=self.group, tag=sendtag),
+                     dist.irecv(recv, src=self.ranks[source], group=self.group, tag=recvtag)]
+            for work in works:
+                work.wait()
 
     def __getattr__(self, name: str) -> Callable[..., _Done]:
         """The nonblocking forms (``Iallgather``, ...): done when they return."""
