@@ -93,3 +93,26 @@ def test_a_groups_backends_say_where_its_buffers_go(monkeypatch, name, host, dev
     comm = transport.TorchComm.__new__(transport.TorchComm)
     comm._host_backend, comm._device_backend = host, device
     assert comm.cuda_aware is in_place
+
+
+@pytest.mark.parametrize("op, expected", [("BOR", [0b0111, 0b1001]), ("BAND", [0b0000, 0b0001])])
+def test_bitwise_reductions_fold_every_ranks_row(op, expected):
+    """NCCL has no bitwise reductions: the flags are gathered, one row a rank, and folded."""
+    import torch
+    from mpi4py import MPI
+
+    from spar_comm.torch.transport import fold_bitwise
+
+    rows = torch.tensor([[0b0001, 0b0001], [0b0010, 0b1001], [0b0100, 0b0001]], dtype=torch.uint8)
+    assert fold_bitwise(rows, getattr(MPI, op)).tolist() == expected
+
+
+def test_the_torch_transport_refuses_a_buffer_it_could_only_copy():
+    """A strided view would become a copy, and what the call wrote would be lost."""
+    import numpy as np
+
+    from spar_comm.torch.transport import _tensor
+
+    with pytest.raises(ValueError, match="contiguous"):
+        _tensor(np.zeros(10, dtype=np.float32)[::2])
+    assert _tensor(np.zeros(10, dtype=np.float32)[2:]).numel() == 8

@@ -505,15 +505,17 @@ def size() -> int:
 def local_device() -> torch.device:
     """This rank's GPU as the GPU path picks it (its place among the ranks of
     its host, modulo the device count), or the CPU when CUDA is not available.
-    Collective over the ranks spar_comm.torch works over (``world.job_comm``).
+    ConfigError on every rank unless the ranks spar_comm.torch works over
+    (``world.job_comm``) are the job's.
 
-    The place is torchrun's ``LOCAL_RANK`` where set, else found over MPI's
-    world where that holds the job's ranks (``mpiexec``), else over the group:
-    an NCCL group cannot gather before each rank has set its device, which is
-    what this answer is for (``torch.cuda.set_device``)."""
+    The place is torchrun's ``LOCAL_RANK`` where torchrun launched the job
+    (``WORLD_SIZE`` set too; no collective), else found collectively over
+    MPI's world where that holds the job's ranks (``mpiexec``), else over the
+    group: an NCCL group cannot gather before each rank has set its device,
+    which is what this answer is for (``torch.cuda.set_device``)."""
     comm = job_comm()
     local = os.environ.get("LOCAL_RANK", "").strip()
-    if local.isdigit():  # no collective: every rank sees the same sizes
+    if local.isdigit() and os.environ.get("WORLD_SIZE", "").strip():  # every rank sees the same sizes
         check_size(comm, "spar_comm.torch.local_device()")
         return torch.device("cuda", device_index(int(local), torch.cuda.device_count())) \
             if torch.cuda.is_available() else torch.device("cpu")

@@ -52,6 +52,11 @@ _FOLDS = {MPI.SUM.py2f(): sum, MPI.MIN.py2f(): min, MPI.MAX.py2f(): max}
 _BITWISE = {MPI.BOR.py2f(): torch.bitwise_or, MPI.BAND.py2f(): torch.bitwise_and}
 
 
+def fold_bitwise(rows: torch.Tensor, op: Any) -> torch.Tensor:
+    """``op`` (MPI.BOR or MPI.BAND) over the rows of ``rows``, one a rank."""
+    return functools.reduce(_BITWISE[op.py2f()], rows.unbind(0))
+
+
 def _is_device(buf: Any) -> bool:
     array = buf[0] if isinstance(buf, (list, tuple)) else buf
     return hasattr(array, "__cuda_array_interface__") and not isinstance(array, torch.Tensor)
@@ -59,7 +64,11 @@ def _is_device(buf: Any) -> bool:
 
 def _tensor(buf: Any) -> torch.Tensor:
     """A NumPy or CuPy array (or mpi4py's ``[array, count, datatype]``) as a
-    tensor sharing its memory: its own dtype where torch has it, else bytes."""
+    tensor sharing its memory: its own dtype where torch has it, else bytes.
+    ValueError for an array that is not contiguous, as mpi4py gives: a copy
+    would lose what the call writes."""
+    if not isinstance(buf, (list, tuple)) and hasattr(buf, "flags") and not buf.flags.c_contiguous:
+        raise ValueError("spar_comm's torch transport takes contiguous buffers only")
     if isinstance(buf, (list, tuple)):
         array, count = buf[0], buf[1]
         array = array if _is_device(array) else np.asarray(array)
@@ -110,14 +119,16 @@ class _Done:
 
 def _ordered(*tensors: Optional[torch.Tensor]) -> Any:
     """Torch's current stream set to CuPy's, where a tensor is on the device."""
-    if not any(t is not None and t.is_cuda for t in tensors):
+    device = next((t.device for t in tensors if t is not None and t.is_cuda), None)
+    if device is None:
         return contextlib.nullcontext()
     import cupy
 
     ptr = cupy.cuda.get_current_stream().ptr
-    if ptr == torch.cuda.current_stream().cuda_stream:
+    if ptr == torch.cuda.current_stream(device).cuda_stream:
         return contextlib.nullcontext()
-    return torch.cuda.stream(torch.cuda.default_stream() if ptr == 0 else torch.cuda.ExternalStream(ptr))
+    return torch.cuda.stream(torch.cuda.default_stream(device) if ptr == 0 else
+                             torch.cuda.ExternalStream(ptr, device=device))
 
 
 class TorchComm:
@@ -133,19 +144,25 @@ class TorchComm:
         self.rank = self.ranks.index(dist.get_rank())
         self.name = ""
         self._host_backend, self._device_backend = backends(group)
+        #: Where host buffers cross to on a group without a host backend: the
+        #: group's device, else the one current when the comm is made (a rank
+        #: sets its device first), not that of whichever thread calls later.
+        bound = getattr(group, "bound_device_id", None)
+        self.device = bound if bound is not None else \
+            torch.device("cuda", torch.cuda.current_device()) if self._host_backend is None else None
 
     @property
     def cuda_aware(self) -> bool:
         """Whether device buffers go to the backend as they are (NCCL), rather
         than through host buffers that spar_comm stages and counts."""
-        return self._device_backend not in (None, "gloo")
+        return self._device_backend == "nccl"
 
     def _place(self, t: torch.Tensor, p2p: bool = False) -> torch.Tensor:
         """``t``, or a copy of it where the backend takes it (see the module's docstring)."""
         if t.is_cuda and (self._device_backend is None or (p2p and self._device_backend == "gloo")):
             return t.cpu()
         if not t.is_cuda and self._host_backend is None:
-            return t.to(torch.device("cuda", torch.cuda.current_device()))
+            return t.to(self.device)
         return t
 
     @contextlib.contextmanager
@@ -227,15 +244,20 @@ class TorchComm:
     # -- buffers -----------------------------------------------------------------------
     def Allreduce(self, send: Any, recv: Any, op: Any = MPI.SUM) -> None:  # noqa: N802
         out = _tensor(recv)
-        if send is not MPI.IN_PLACE:
-            out.copy_(_tensor(send))
+        with _ordered(out):
+            if send is not MPI.IN_PLACE:
+                out.copy_(_tensor(send))
         with self._placed(None, out) as (_, placed):
-            if op.py2f() in _BITWISE and self._host_backend is None:  # NCCL has no bitwise operations
-                gathered = torch.empty(self.size * placed.numel(), dtype=placed.dtype, device=placed.device)
-                _all_gather(gathered, placed, group=self.group)
-                placed.copy_(functools.reduce(_BITWISE[op.py2f()], gathered.view(self.size, -1)))
+            if op.py2f() in _BITWISE and placed.is_cuda and self._device_backend == "nccl":  # NCCL has none
+                placed.copy_(fold_bitwise(self._gathered(placed), op))
             else:
                 dist.all_reduce(placed, op=_OPS[op.py2f()], group=self.group)
+
+    def _gathered(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``mine``, one row each."""
+        rows = torch.empty((self.size, mine.numel()), dtype=mine.dtype, device=mine.device)
+        _all_gather(rows.view(-1), mine, group=self.group)
+        return rows
 
     def Reduce_scatter(self, send: Any, recv: Any, counts: Sequence[int], op: Any = MPI.SUM) -> None:  # noqa: N802
         with self._placed(_tensor(send), _tensor(recv)) as (whole, mine):
@@ -267,9 +289,10 @@ class TorchComm:
             dist.broadcast(placed, src=self.ranks[root], group=self.group)
 
     def Reduce(self, send: Any, recv: Any, op: Any = MPI.SUM, root: int = 0) -> None:  # noqa: N802
-        out = _tensor(recv) if self.rank == root else _tensor(send).clone()
-        if self.rank == root and send is not MPI.IN_PLACE:
-            out.copy_(_tensor(send))
+        with _ordered(*(_tensor(b) for b in (send, recv) if b is not None and b is not MPI.IN_PLACE)):
+            out = _tensor(recv) if self.rank == root else _tensor(send).clone()
+            if self.rank == root and send is not MPI.IN_PLACE:
+                out.copy_(_tensor(send))
         with self._placed(None, out) as (_, placed):
             dist.reduce(placed, dst=self.ranks[root], op=_OPS[op.py2f()], group=self.group)
 
@@ -286,10 +309,15 @@ class TorchComm:
 
     def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None, source: int = 0,  # noqa: N802
                  recvtag: int = 0) -> None:
-        """Both at once: two blocking sends would wait for each other."""
+        """Both at once: two blocking sends would wait for each other. On NCCL
+        as one batch: a send there may wait for its receive to have started."""
         with self._placed(_bytes(sendbuf), _bytes(recvbuf), p2p=True) as (send, recv):
-            works = [dist.isend(send, dst=self.ranks[dest], group=self.group, tag=sendtag),
-                     dist.irecv(recv, src=self.ranks[source], group=self.group, tag=recvtag)]
+            ops = [(dist.isend, send, dest, sendtag), (dist.irecv, recv, source, recvtag)]
+            if send.is_cuda:
+                works = dist.batch_isend_irecv([dist.P2POp(call, t, self.ranks[peer], self.group, tag)
+                                                for call, t, peer, tag in ops])
+            else:
+                works = [call(t, self.ranks[peer], group=self.group, tag=tag) for call, t, peer, tag in ops]
             for work in works:
                 work.wait()
 
