@@ -15,8 +15,10 @@ time, CPU time (the process's, on the rank that used most: where ranks
 share cores, what a call costs training however well it overlaps), both
 also in reads (over one read of the gradient, ``grad.max()``, by every rank
 at once, timed in the same rounds: the unit a memory-bound call is counted
-in), selection and communication time, and the bytes each rank sends inside and
-between nodes (ring model, see spar_comm.collectives.channel).
+in), the call's checks (every rank's verdict on its gradient, gathered
+before anything changes: a pass for non-finite values and an Allgather of
+16 bytes a rank), selection and communication time, and the bytes each rank
+sends inside and between nodes (ring model, see spar_comm.collectives.channel).
 ``--deadlines both`` measures each allreducer with its waits' deadlines
 (SPAR_COMM_TIMEOUT) and without, alternately in the same rounds: what a
 deadline costs a healthy call.
@@ -59,7 +61,7 @@ from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.memory import DEVICES  # noqa: E402
 from spar_comm.mpi_strings import library_name, processor_name  # noqa: E402
 
-FIGURES = ("t_select", "t_intra", "t_inter")
+FIGURES = ("t_check", "t_select", "t_intra", "t_inter")
 COUNTS = ("bytes_intra", "bytes_inter", "k", "bytes_staged")
 
 
@@ -258,7 +260,7 @@ def main() -> int:
         print(f"# median of {args.repeat} calls after {args.warmup}, slowest rank; bytes sent per rank (most)")
         print("# reads: time and CPU over one read of the gradient by every rank at once, in the same rounds")
         header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'cpu ms':>8} {'reads':>6} " \
-                 f"{'cpu rd':>6} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}" \
+                 f"{'cpu rd':>6} {'check':>7} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}" \
                  + (f" {'R pass':>6} {'W pass':>6}" if args.count_passes else "")
         print(header, flush=True)
     rng = np.random.default_rng([args.seed, world.rank])
@@ -293,7 +295,7 @@ def main() -> int:
                 name = algorithm if len(deadlines) == 1 else f"{algorithm} {'on' if on else 'off'}"
                 print(f"{size:>10} {name:<14} {row['time_median'] * 1e3:9.3f} {ratio} "
                       f"{row['cpu_median'] * 1e3:8.3f} {row['time_reads']:6.2f} {row['cpu_reads']:6.2f} "
-                      f"{row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
+                      f"{row['t_check'] * 1e3:7.3f} {row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
                       f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}"
                       + (f" {row['pass_reads']:6.2f} {row['pass_writes']:6.2f}" if args.count_passes else ""),
                       flush=True)
