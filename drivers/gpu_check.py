@@ -96,8 +96,8 @@ def plan(simulate: bool, python: str, mpiexec: str, work: Path, cub_topk: Option
     steps.append(Step("train_ddp.py (DDP hook) on CUDA, 2 ranks",
                       mpi(2, "drivers/train_ddp.py", "--device", "cuda", "--density", "0.01", "--epochs", "5"), 90))
     steps.append(Step("torch.distributed on CUDA: NCCL (1 rank), gloo (2 ranks), under torchrun",
-                      [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=160",
-                       "tests/test_torchrun_gpu.py"], 200))
+                      ["env", "SPAR_COMM_REQUIRE_GPU=1", python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                       "--timeout=160", "tests/test_torchrun_gpu.py"], 200))
     return steps + [test_gpu(2), test_gpu(4)]
 
 

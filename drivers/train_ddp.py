@@ -8,7 +8,7 @@ which reduces over torch.distributed's group); two more lines, marked
     torchrun --nproc-per-node 4 drivers/train_ddp.py
     mpiexec -n 4 python drivers/train_ddp.py
     mpiexec -n 2 python drivers/train_ddp.py --device cuda --algorithm hitopk --density 0.001
-    torchrun --nproc-per-node 8 drivers/train_ddp.py --device cuda --backend nccl   # one rank a GPU
+    torchrun --nproc-per-node 8 drivers/train_ddp.py --device cuda --backend nccl   # one rank a GPU (run at 1 so far)
     torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 2 --rdzv-backend c10d \
         --rdzv-endpoint HOST0:29400 drivers/train_ddp.py --checkpoint ckpt      # on each host
 

@@ -24,6 +24,7 @@ def test_small_run_measures_every_algorithm(run_driver, tmp_path):
     # 41 pairs: 164 bytes of values padded to 168, then 164 bytes of indices, padded to 336
     assert rows["topka", 4099]["bytes_inter"] == 336
     assert all(row["time_median"] > 0 and row["cpu_median"] > 0 for row in rows.values())
+    assert all(0 < row["t_check"] <= row["time_median"] for row in rows.values())  # a part of the call
     for row in rows.values():  # reads: over one read of the same vector, timed in the same rounds
         assert row["read_median"] > 0 and row["time_reads"] == pytest.approx(row["time_median"] / row["read_median"])
         assert row["cpu_reads"] == pytest.approx(row["cpu_median"] / row["read_median"])

@@ -1,20 +1,29 @@
-"""spar_comm over torch.distributed on a GPU (``make test-gpu``; skipped without
-CUDA torch and CuPy): CuPy arrays through every reproducible allreducer
+"""spar_comm over torch.distributed on a GPU (a step of ``make gpu-check``,
+which sets SPAR_COMM_REQUIRE_GPU=1 so that a machine without CUDA torch
+and CuPy fails it; elsewhere skipped): CuPy arrays through every reproducible allreducer
 against the serial reference, on NCCL (a world of one: NCCL refuses two ranks
 on one GPU) and on gloo at 2 ranks sharing the GPU. Where the group takes
 device buffers nothing is staged through the host; where it does not,
 spar_comm stages them and counts it. And the DDP example on NCCL."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import ROOT
 from test_torchrun import lines_of
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("cupy")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+try:
+    import cupy  # noqa: F401
+    import torch
+    missing = None if torch.cuda.is_available() else "torch sees no CUDA device"
+except ImportError as error:
+    missing = str(error)
+if missing and os.environ.get("SPAR_COMM_REQUIRE_GPU") == "1":
+    pytest.fail(f"the GPU check needs CUDA torch and CuPy: {missing}", pytrace=False)
+if missing:
+    pytest.skip(missing, allow_module_level=True)
 
 SCRIPT = ROOT / "tests" / "torchrun_allreducers.py"
 
@@ -37,7 +46,8 @@ def test_device_buffers_go_to_gloo_as_they_are_when_told(monkeypatch):
     monkeypatch.setenv("SPAR_COMM_CUDA_AWARE", "1")
     lines = lines_of(2, "--device", "gpu", "--backend", "gloo", script=SCRIPT, limit=140)
     for rank in range(2):
-        assert lines.get((rank, "summary"), "").endswith(" cases, 0 failed"), lines
+        cases = lines.get((rank, "summary"), "(no line)")
+        assert cases.endswith(" cases, 0 failed") and not cases.startswith("0 "), (rank, cases, lines)
         assert lines.get((rank, "staging")) == "in place True, staged [False]", lines
 
 

@@ -509,10 +509,11 @@ def local_device() -> torch.device:
     (``world.job_comm``) are the job's.
 
     The place is torchrun's ``LOCAL_RANK`` where torchrun launched the job
-    (``WORLD_SIZE`` set too; no collective), else found collectively over
-    MPI's world where that holds the job's ranks (``mpiexec``), else over the
-    group: an NCCL group cannot gather before each rank has set its device,
-    which is what this answer is for (``torch.cuda.set_device``)."""
+    (``WORLD_SIZE`` set too; no collective: an NCCL group cannot gather
+    before each rank has set its device, which is what this answer is for),
+    else found collectively over MPI's world where that holds the job's
+    ranks (``mpiexec``), else over the group, which then must be able to
+    gather (gloo, or NCCL once each rank has set its device)."""
     comm = job_comm()
     local = os.environ.get("LOCAL_RANK", "").strip()
     if local.isdigit() and os.environ.get("WORLD_SIZE", "").strip():  # every rank sees the same sizes

@@ -2,18 +2,20 @@
 rest of spar_comm speaks: mpi4py's, the part of it the topology, the checks
 and ``Channel`` use.
 
-So every allreducer runs over a torch job's own group (gloo on CPU tensors)
-on the same code as over MPI, and never learns which it runs on. NumPy
-arrays reach torch without a copy (``torch.from_numpy``; a byte view where
-the collective only moves data). What torch lacks is built from what it
-has: an Allgatherv from an Allgather of blocks padded to the longest, a
-Sendrecv from ``isend`` and ``irecv``, ``Split`` from an Allgather of the
+So every allreducer runs over a torch job's own group (gloo; NCCL on CUDA
+tensors) on the same code as over MPI, and never learns which it runs on.
+NumPy arrays reach torch without a copy (``torch.from_numpy``; a byte view
+where the collective only moves data). What torch lacks is built from what
+it has: an Allgatherv from an Allgather of blocks padded to the longest, a
+Sendrecv from ``isend`` and ``irecv`` (on NCCL, one ``batch_isend_irecv``),
+``Split`` from an Allgather of the
 colours and one ``new_group`` a colour. torch names a group by a counter
 that every rank of the job must step alike (a group made by its members
 alone is named by how many groups each member already has, which differs
 between ranks), so every rank makes every colour's group, in colour order:
 a comm splits only when it spans the whole job. The nonblocking forms
-complete at once: gloo waits without spinning. Nodes (``Split_type``) are
+complete at once: gloo waits without spinning, and NCCL's work is ordered
+on the device. Nodes (``Split_type``) are
 torchrun's groups (``GROUP_RANK``) where set, else the hosts' names.
 
 The node's shared-memory windows need MPI (``transport`` is ``"torch"``):
