@@ -8,15 +8,14 @@ NumPy arrays reach torch without a copy (``torch.from_numpy``; a byte view
 where the collective only moves data). What torch lacks is built from what
 it has: an Allgatherv from an Allgather of blocks padded to the longest, a
 Sendrecv from ``isend`` and ``irecv`` (on NCCL, one ``batch_isend_irecv``),
-``Split`` from an Allgather of the
-colours and one ``new_group`` a colour. torch names a group by a counter
-that every rank of the job must step alike (a group made by its members
-alone is named by how many groups each member already has, which differs
-between ranks), so every rank makes every colour's group, in colour order:
-a comm splits only when it spans the whole job. The nonblocking forms
-complete at once: gloo waits without spinning, and NCCL's work is ordered
-on the device. Nodes (``Split_type``) are
-torchrun's groups (``GROUP_RANK``) where set, else the hosts' names.
+``Split`` from an Allgather of the colours and one ``new_group`` a colour.
+torch names a group by a counter that every rank of the job must step
+alike (a group made by its members alone is named by how many groups each
+member already has, which differs between ranks), so every rank makes
+every colour's group, in colour order: a comm splits only when it spans
+the whole job. The nonblocking forms complete at once: gloo waits without
+spinning, and NCCL's work is ordered on the device. Nodes (``Split_type``)
+are torchrun's groups (``GROUP_RANK``) where set, else the hosts' names.
 
 The node's shared-memory windows need MPI (``transport`` is ``"torch"``):
 the node's collectives go through the group instead.
