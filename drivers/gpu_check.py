@@ -11,7 +11,8 @@ Steps, each under its own time limit inside --budget (10 minutes by default):
 hook on CUDA (``train_ddp.py``); the allreducers and the DDP example over
 torch.distributed on CUDA tensors (NCCL, gloo) under torchrun. It prints the
 device's name first, and rewrites ``gpu-check.json`` and ``gpu-check.md`` in
---out after every step, so a run cut short keeps what it did. Exit status 0 when every step passed.
+--out after every step, so a run cut short keeps what it did. Exit status 0
+when every step passed.
 
 ``--simulate`` runs the same plumbing without a GPU (numba-cuda's simulator,
 small sizes, a few tests): how the test suite checks this driver.
