@@ -26,6 +26,7 @@ from reference import Reference, reproducible  # noqa: E402
 from spar_comm import Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
 from spar_comm.costmodel import CPU, auto  # noqa: E402
+from spar_comm.device import device_index  # noqa: E402
 from spar_comm.torch.transport import TorchComm  # noqa: E402
 from torchrun_helpers import report, say  # noqa: E402
 
@@ -56,7 +57,7 @@ def main() -> None:
         import cupy
         import torch
 
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()))
         cupy.cuda.Device(torch.cuda.current_device()).use()
     to_device, to_host = (cupy.asarray, cupy.asnumpy) if args.device == "gpu" else (np.asarray, np.asarray)
     dist.init_process_group(args.backend)

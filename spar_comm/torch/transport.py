@@ -290,10 +290,13 @@ class TorchComm:
             dist.broadcast(placed, src=self.ranks[root], group=self.group)
 
     def Reduce(self, send: Any, recv: Any, op: Any = MPI.SUM, root: int = 0) -> None:  # noqa: N802
-        with _ordered(*(_tensor(b) for b in (send, recv) if b is not None and b is not MPI.IN_PLACE)):
-            out = _tensor(recv) if self.rank == root else _tensor(send).clone()
-            if self.rank == root and send is not MPI.IN_PLACE:
-                out.copy_(_tensor(send))
+        mine = None if send is MPI.IN_PLACE else _tensor(send)
+        out = _tensor(recv) if self.rank == root else None
+        with _ordered(mine, out):
+            if out is None:
+                out = mine.clone()
+            elif mine is not None:
+                out.copy_(mine)
         with self._placed(None, out) as (_, placed):
             dist.reduce(placed, dst=self.ranks[root], op=_OPS[op.py2f()], group=self.group)
 
