@@ -113,6 +113,13 @@ def test_the_torch_transport_refuses_a_buffer_it_could_only_copy():
 
     from spar_comm.torch.transport import _tensor
 
-    with pytest.raises(ValueError, match="contiguous"):
-        _tensor(np.zeros(10, dtype=np.float32)[::2])
+    from mpi4py import MPI
+
+    columns = np.zeros((4, 6), dtype=np.float32)[:, :3]  # flattened, a copy
+    for strided in (np.zeros(10, dtype=np.float32)[::2], columns, [columns, 8, MPI.BYTE]):
+        with pytest.raises(ValueError, match="transport takes contiguous buffers only"):
+            _tensor(strided)
     assert _tensor(np.zeros(10, dtype=np.float32)[2:]).numel() == 8
+    whole = np.arange(10, dtype=np.float32)
+    assert _tensor([whole, 8, MPI.BYTE]).data_ptr() == whole.ctypes.data  # the same memory, its first 8 bytes
+    assert _tensor([whole, 8, MPI.BYTE]).numel() == 8

@@ -36,7 +36,6 @@ runs on CPU tensors with those operations doing nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import warnings
@@ -58,7 +57,7 @@ from .backward_end import EndOfBackward
 from .comm_thread import CommThread
 from .state import OTHER_WORLD, agree, own_residuals, rank_key
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
-from .world import check_size, job_comm, require_job_world
+from .world import check_size, job_comm, launched, require_job_world
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "local_device", "rank",
            "size"]
@@ -515,10 +514,10 @@ def local_device() -> torch.device:
     ranks (``mpiexec``), else over the group, which then must be able to
     gather (gloo, or NCCL once each rank has set its device)."""
     comm = job_comm()
-    local = os.environ.get("LOCAL_RANK", "").strip()
-    if local.isdigit() and os.environ.get("WORLD_SIZE", "").strip():  # every rank sees the same sizes
+    told = launched()
+    if told is not None and told.local_index is not None:  # every rank sees the same sizes
         check_size(comm, "spar_comm.torch.local_device()")
-        return torch.device("cuda", device_index(int(local), torch.cuda.device_count())) \
+        return torch.device("cuda", device_index(told.local_index, torch.cuda.device_count())) \
             if torch.cuda.is_available() else torch.device("cpu")
     ranks = MPI.COMM_WORLD if MPI.COMM_WORLD.size == comm.size else comm
     require_job_world(ranks, "spar_comm.torch.local_device()")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..consensus import raise_if_any, require_same
-from .world import require_job_world
+from .world import launched, require_job_world
 
 #: Linux's ioctl for an interface's IPv4 address (<linux/sockios.h>).
 _SIOCGIFADDR = 0x8915
@@ -94,7 +94,8 @@ def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Comm] = None
     problem = "torch.distributed is already initialised" if dist.is_initialized() else None
     raise_if_any(comm, problem)
     extra = {} if timeout is None else {"timeout": timeout}
-    if comm.size == 1 and os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE", "1") != "1":
+    told = launched()
+    if comm.size == 1 and os.environ.get("MASTER_ADDR") and told is not None and told.world_size != "1":
         dist.init_process_group(backend, **extra, **options)  # torchrun's job: its rendezvous, not MPI's
         return
     require_job_world(comm, "spar_comm.torch.init_process_group")  # under torchrun: one world per process

@@ -68,12 +68,12 @@ def _tensor(buf: Any) -> torch.Tensor:
     tensor sharing its memory: its own dtype where torch has it, else bytes.
     ValueError for an array that is not contiguous, as mpi4py gives: a copy
     would lose what the call writes."""
-    if not isinstance(buf, (list, tuple)) and hasattr(buf, "flags") and not buf.flags.c_contiguous:
+    array = buf[0] if isinstance(buf, (list, tuple)) else buf
+    if hasattr(array, "flags") and not array.flags.c_contiguous:
         raise ValueError("spar_comm's torch transport takes contiguous buffers only")
     if isinstance(buf, (list, tuple)):
-        array, count = buf[0], buf[1]
         array = array if _is_device(array) else np.asarray(array)
-        return _tensor(array.reshape(-1).view(np.uint8)[:count])
+        return _tensor(array.reshape(-1).view(np.uint8)[:buf[1]])
     if _is_device(buf):
         return torch.as_tensor(buf.reshape(-1), device=torch.device("cuda", buf.device.id))
     array = np.asarray(buf).reshape(-1)

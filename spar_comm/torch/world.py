@@ -16,7 +16,7 @@ job, and MPI's world is its world.
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 from mpi4py import MPI
@@ -32,19 +32,43 @@ TRANSPORTS = (None, "mpi", "torch")
 Declared = Tuple[int, Optional[int], str]
 
 
+class Launched(NamedTuple):
+    """What a launcher that numbers the processes itself (torchrun) set in
+    this process's environment, as text; ``mpiexec`` sets none of it."""
+
+    world_size: str  # WORLD_SIZE
+    rank: str  # RANK
+    local_rank: str  # LOCAL_RANK
+
+    @property
+    def local_index(self) -> Optional[int]:
+        """LOCAL_RANK as a number, None where it is not one."""
+        return int(self.local_rank) if self.local_rank.isdigit() else None
+
+
+def launched() -> Optional[Launched]:
+    """Whether torchrun (or a launcher like it: WORLD_SIZE set) started this
+    process, and what it said; None under ``mpiexec`` or a bare ``python``.
+    The one place spar_comm.torch asks."""
+    world_size = os.environ.get("WORLD_SIZE", "").strip()
+    if not world_size:
+        return None
+    return Launched(world_size, os.environ.get("RANK", "").strip(), os.environ.get("LOCAL_RANK", "").strip())
+
+
 def declared_worlds() -> List[Declared]:
     """What this process was told of the job's ranks: by torch.distributed's
     default group, and by the launcher's WORLD_SIZE and RANK."""
     worlds: List[Declared] = []
     if dist.is_available() and dist.is_initialized():
         worlds.append((dist.get_world_size(), dist.get_rank(), "torch.distributed's default group"))
-    text = os.environ.get("WORLD_SIZE", "").strip()
-    if text:
-        rank = os.environ.get("RANK", "").strip()
+    told = launched()
+    if told is not None:
         try:
-            worlds.append((int(text), int(rank) if rank else None, f"WORLD_SIZE={text}, as torchrun sets it"))
+            worlds.append((int(told.world_size), int(told.rank) if told.rank else None,
+                           f"WORLD_SIZE={told.world_size}, as torchrun sets it"))
         except ValueError:
-            worlds.append((-1, None, f"WORLD_SIZE={text!r} (RANK={rank!r}), not an integer"))
+            worlds.append((-1, None, f"WORLD_SIZE={told.world_size!r} (RANK={told.rank!r}), not an integer"))
     return worlds
 
 
