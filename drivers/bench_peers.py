@@ -87,7 +87,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import spar_comm  # noqa: E402
 import spar_comm.torch as sct  # noqa: E402
-from spar_comm import Topology, retain_freed_memory  # noqa: E402
+from spar_comm import Topology, retain_freed_memory, waiting  # noqa: E402
 from spar_comm.bench.peers import (MODES, OVER_TORCH, PEERS, PHASES, SPAR, SPINNING, UNDER_TORCHRUN,  # noqa: E402
                                    Runner, Workload, classify, held_out, learning_curve, over_mpi, phases_of)
 from spar_comm.bench.record import meta  # noqa: E402
@@ -352,14 +352,27 @@ class Peer:
 
 def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Optional[str]:
     """Run ``action`` on every rank; every rank's error, the same on every
-    rank, or None where all succeeded."""
+    rank, or None where all succeeded. The ranks agree in a wait that sleeps
+    (see ``between_steps``)."""
     error = None
     try:
         action()
     except Exception as e:  # noqa: BLE001 (a peer's failure is a result, whatever it is)
         error = describe(e)
+    failed = np.array([error is not None], dtype=np.int32)
+    waiting.collective(world, "Allreduce", MPI.IN_PLACE, failed, nbytes=failed.nbytes, op=MPI.SUM)
+    if not failed[0]:
+        return None
     errors = [f"rank {r}: {e}" for r, e in enumerate(world.allgather(error)) if e is not None]
-    return "; ".join(errors) if errors else None
+    return "; ".join(errors)
+
+
+def between_steps(world: MPI.Comm) -> None:
+    """The barrier before each mode's step, in a wait that sleeps: a rank
+    that spun in it would take the cores from the ranks still in their step
+    where ranks outnumber cores (a step without communication, whose ranks
+    never wait for one another, took 20 times its time beside spinning ranks)."""
+    waiting.collective(world, "Barrier")
 
 
 # -- the measurement ---------------------------------------------------------------------------
@@ -432,7 +445,7 @@ def measure(args: argparse.Namespace, topology: Topology) -> Tuple[List[dict], i
             runner = runners.get(mode)
             if runner is None:
                 continue
-            world.Barrier()
+            between_steps(world)
             elapsed = []
             error = agreed_error(world, lambda: elapsed.append(runner.step(batch, work.loss)))
             if error:
