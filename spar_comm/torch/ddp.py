@@ -40,7 +40,7 @@ from ..errors import NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward, after_queued
-from . import comm_thread
+from .comm_thread import CommThread
 from .optimizer import non_finite_problem
 from .state import OTHER_WORLD, agree, own_residuals, rank_key
 from .streams import NoStreams, as_array, as_tensor, streams_for
@@ -109,7 +109,7 @@ class HookState:
         self._next = 0  # the bucket index to reduce next
         self._busy = 0  # jobs handed over and not yet done with
         self._idle = threading.Condition()
-        self._started = False  # the first bucket has come
+        self._thread: Optional[CommThread] = None
         self._errors: List[SparCommError] = []  # raised out of backward once DDP is done with it
         self._backward_end = EndOfBackward(lambda: after_queued(self._iteration_ended))  # after DDP's own
         # Where an iteration may be skipped (GradScaler, non_finite="raise"): what its
@@ -122,20 +122,20 @@ class HookState:
     # -- the hook (autograd's thread) ----------------------------------------------------
     def submit(self, bucket: Any) -> torch.futures.Future:
         buffer = bucket.buffer()
-        if not self._started:
+        if self._thread is None:
             if self.topology is None:  # collective, on every rank's first bucket (index order or not)
                 self.topology = Topology(self._comm, device="gpu" if buffer.is_cuda else "cpu")
                 self._streams = streams_for(self.topology.memory)
             if self.algorithm == AUTO:  # collective: priced here, where every rank's backward waits for it
                 self.pricing = auto.price(self.topology)
-            self._started = True
+            self._thread = CommThread("spar_comm-ddp-hook", self._arrived)
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
         job = _Job(bucket, future, self._streams.produced())
         # Outside backward (a bucket handed over by hand) the future carries the errors.
         job.to_future = not self._backward_end.arm()
         with self._idle:
             self._busy += 1
-        comm_thread.submit(self._arrived, job)
+        self._thread.put(job)
         return future
 
     def _iteration_ended(self) -> None:

@@ -54,7 +54,7 @@ from ..errors import ConfigError, NonFiniteGradientError, SparCommError
 from ..launch import abort_job
 from ..topology import Topology
 from .backward_end import EndOfBackward
-from . import comm_thread
+from .comm_thread import CommThread
 from .state import OTHER_WORLD, agree, own_residuals, rank_key
 from .streams import NoStreams, as_tensor, streams_for, tensor_device
 from .world import check_size, job_comm, launched, require_job_world
@@ -209,7 +209,7 @@ class _DistributedOptimizer:
         self.last_timings: List[Dict[str, float]] = []  # bucket_timings() of the last synchronized step
         self._errors: List[BaseException] = []
         self._done = threading.Event()
-        self._overlap = overlap  # reduce on the communication thread as buckets become ready
+        self._thread = CommThread("spar_comm-allreduce", self._run) if overlap else None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._hook(bucket, i))
             for bucket in self.buckets for i, p in enumerate(bucket.params)
@@ -244,8 +244,8 @@ class _DistributedOptimizer:
 
     def _start(self, bucket: _Bucket) -> None:
         self._in_flight = True
-        if self._overlap:
-            comm_thread.submit(self._run, bucket)
+        if self._thread is not None:
+            self._thread.put(bucket)
 
     def _backward_ended(self) -> None:
         """Finish the buckets started in this backward before it returns, as
@@ -253,13 +253,13 @@ class _DistributedOptimizer:
         (``GradScaler``'s overflow check, clipping) sees the mean, alike on
         every rank, and never races the communication thread. Buckets that
         backward did not make ready wait for ``synchronize()``."""
-        if not self._overlap:
+        if self._thread is None:
             for bucket in self.buckets[: self._next]:
                 if not bucket.done:
                     self._run(bucket)
         else:
             ended = threading.Event()
-            comm_thread.submit(self._run, ended)
+            self._thread.put(ended)
             ended.wait()
         for bucket in self.buckets[: self._next]:
             self._streams.consume(bucket.finished)
@@ -318,13 +318,13 @@ class _DistributedOptimizer:
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
             self._next += 1
-        if not self._overlap:
+        if self._thread is None:
             for bucket in self.buckets:
                 if not bucket.done:
                     self._run(bucket)
             self._run(None)
         else:
-            comm_thread.submit(self._run, None)
+            self._thread.put(None)
             self._done.wait()
         self.last_wait = time.perf_counter() - started
         self._done.clear()
