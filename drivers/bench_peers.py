@@ -100,6 +100,7 @@ from spar_comm.files import unwritable, write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E402
 from spar_comm.torch.transport import TorchComm  # noqa: E402
+from spar_comm.torch.world import launched  # noqa: E402
 from spar_comm.workloads import gpt as gpt_workload, resnet  # noqa: E402
 from spar_comm.workloads.mlp import mlp  # noqa: E402
 
@@ -231,7 +232,8 @@ def build_ddp(mode: str, replica: torch.nn.Module, work: Workload, args: argpars
 
 def under_torchrun() -> bool:
     """Whether torchrun launched this job: each process an MPI world of one, in a job of several."""
-    return MPI.COMM_WORLD.size == 1 and os.environ.get("WORLD_SIZE", "1") != "1"
+    told = launched()
+    return MPI.COMM_WORLD.size == 1 and told is not None and told.world_size != "1"
 
 
 def start_torch(args: argparse.Namespace, comm: Any = None) -> None:
@@ -360,7 +362,8 @@ def agreed_error(world: MPI.Comm, action: Callable[[], None]) -> Optional[str]:
     except Exception as e:  # noqa: BLE001 (a peer's failure is a result, whatever it is)
         error = describe(e)
     failed = np.array([error is not None], dtype=np.int32)
-    waiting.collective(world, "Allreduce", MPI.IN_PLACE, failed, nbytes=failed.nbytes, op=MPI.SUM)
+    with waiting.watched("the agreement after a step", world, patient=True):  # a peer's step may be long
+        waiting.collective(world, "Allreduce", MPI.IN_PLACE, failed, nbytes=failed.nbytes, op=MPI.SUM)
     if not failed[0]:
         return None
     errors = [f"rank {r}: {e}" for r, e in enumerate(world.allgather(error)) if e is not None]
@@ -372,7 +375,8 @@ def between_steps(world: MPI.Comm) -> None:
     that spun in it would take the cores from the ranks still in their step
     where ranks outnumber cores (a step without communication, whose ranks
     never wait for one another, took 20 times its time beside spinning ranks)."""
-    waiting.collective(world, "Barrier")
+    with waiting.watched("the barrier before a step", world, patient=True):  # the last step may be long
+        waiting.collective(world, "Barrier")
 
 
 # -- the measurement ---------------------------------------------------------------------------
