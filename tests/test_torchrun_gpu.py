@@ -1,10 +1,11 @@
 """spar_comm over torch.distributed on a GPU (a step of ``make gpu-check``,
 which sets SPAR_COMM_REQUIRE_GPU=1 so that a machine without CUDA torch
 and CuPy fails it; elsewhere skipped): CuPy arrays through every
-reproducible allreducer against the serial reference, on NCCL (a world of one: NCCL refuses two ranks
-on one GPU) and on gloo at 2 ranks sharing the GPU. Where the group takes
-device buffers nothing is staged through the host; where it does not,
-spar_comm stages them and counts it. And the DDP example on NCCL."""
+reproducible allreducer against the serial reference, on NCCL (a world of
+one: NCCL refuses two ranks on one GPU) and on gloo at 2 ranks sharing the
+GPU. Where the group takes device buffers nothing is staged through the
+host; where it does not, spar_comm stages them and counts it. And the DDP
+example on NCCL."""
 from __future__ import annotations
 
 import os
