@@ -6,8 +6,10 @@ figure reported is the median over --repeat calls after --warmup calls. The
 calls go in rounds (one call of each algorithm, in a new order each round),
 so a slow spell of a shared machine hits every algorithm alike, and no
 algorithm always runs right after the same one. Each
-call reduces into one output buffer kept from call to call, as a training
-loop does (``allreduce(grad, out=buffer)``). The gradient is assembled in
+call reduces into one output buffer kept from call to call
+(``allreduce(grad, out=buffer)``); ``--in-place`` reduces into the gradient
+itself (``out=grad``), as train.py, the torch optimizer and the DDP hook do,
+with the gradient copied in again, untimed, before each call. The gradient is assembled in
 each allreducer's ``.buffer``, as in a fusion buffer, which ``hier_dense``,
 ``hitopk`` and ``adasum`` keep in the node's shared memory (no copy in;
 ``--no-shared-buffer`` passes a private array instead). The table shows
@@ -93,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "whichever is smallest (default: int32)")
     parser.add_argument("--shared-buffer", action=argparse.BooleanOptionalAction, default=True,
                         help="assemble the gradient in each allreducer's .buffer (default: %(default)s)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="reduce into the gradient's own array (out=grad), as the training loops do, copying "
+                             "the gradient in again before each call, untimed; default: into a buffer of its own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadlines", choices=["on", "off", "both"], default="on",
                         help="the waits' deadlines (SPAR_COMM_TIMEOUT): kept, removed, or both alternately, "
@@ -124,7 +129,17 @@ def options_of(algorithm: str, args: argparse.Namespace) -> dict:
     return {setting: getattr(args, setting) for setting in ("values", "indices") if algorithm in CODECS[setting]}
 
 
-def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool, deadlines: list) -> tuple:
+def gradient_arrays(reducers: list, grad, shared_buffer: bool, in_place: bool) -> list:
+    """The array each reducer is given ``grad`` in: its ``.buffer`` with a shared
+    buffer, else ``grad`` itself, or a copy of its own when it reduces in place."""
+    sends = [reducer.buffer if shared_buffer else grad.copy() if in_place else grad for reducer in reducers]
+    for send in sends:
+        send[...] = grad
+    return sends
+
+
+def measure(reducers: list, sends: list, grad, warmup: int, repeat: int, deadlines: list,
+            in_place: bool = False) -> tuple:
     """For each reducer and each of ``deadlines`` (the waits' deadlines on or
     off): the median of the slowest rank's time per call, of the
     most CPU time a rank used in it, and of the call's figures; and the same
@@ -132,30 +147,35 @@ def measure(reducers: list, grad, warmup: int, repeat: int, shared_buffer: bool,
     once, measured in the same rounds, the unit ``reads`` are counted in.
     Each round makes one call of each reducer and deadline and one read, in
     an order of its own (the same on every rank), so that no call always
-    follows the same one.
+    follows the same one. ``in_place``: each call reduces into its own
+    gradient array, filled with ``grad`` again before it (untimed).
     ``grad`` is an array of the topology's memory (NumPy, or CuPy on a GPU); a
     call returns once its result is written, the device's stream included."""
     world = reducers[0].topology.world
-    out = reducers[0].xp.empty_like(grad)  # a training loop reduces into a buffer it keeps
-    sends = [reducer.buffer if shared_buffer else grad for reducer in reducers]
-    for send in sends:
-        send[...] = grad
+    out = reducers[0].xp.empty_like(grad)  # reduced into a buffer kept from call to call
 
     def reduce(reducer, send, on: bool) -> None:
         with waiting.deadlines(on):
-            reducer.allreduce(send, out=out)
+            reducer.allreduce(send, out=send if in_place else out)
+
+    def refill(send) -> None:  # the next call's gradient, in place of the last one's result
+        if in_place:
+            send[...] = grad
 
     modes = [(reducer, send, on) for reducer, send in zip(reducers, sends) for on in deadlines]
     reducers = [reducer for reducer, _, _ in modes]
     calls = [functools.partial(reduce, reducer, send, on) for reducer, send, on in modes]
     calls.append(lambda: float(grad.max()))  # one read of the vector (float: the device's too)
+    refills = [functools.partial(refill, send) for _, send, _ in modes] + [lambda: None]
     for _ in range(warmup):
-        for call in calls:
+        for call, fill in zip(calls, refills):
+            fill()
             call()
     rows = np.zeros((len(calls), repeat, 2 + len(FIGURES)))
     for i in range(repeat):
         for j in np.random.default_rng(i).permutation(len(calls)):  # the same order on every rank
             call = calls[j]
+            refills[j]()
             world.Barrier()
             start, cpu = MPI.Wtime(), time.process_time()
             call()
@@ -250,6 +270,7 @@ def main() -> int:
         "warmup": args.warmup,
         "repeat": args.repeat,
         "shared_buffer": args.shared_buffer,
+        "in_place": args.in_place,
         "device": topology.memory.describe(),
     })
     results = []
@@ -261,7 +282,7 @@ def main() -> int:
         print("# reads: time and CPU over one read of the gradient by every rank at once, in the same rounds")
         header = f"{'size':>10} {'algorithm':<14} {'time ms':>9} {'vs dense':>8} {'cpu ms':>8} {'reads':>6} " \
                  f"{'cpu rd':>6} {'check':>7} {'select':>8} {'intra':>8} {'inter':>8} {'intra B':>12} {'inter B':>12}" \
-                 + (f" {'R pass':>6} {'W pass':>6}" if args.count_passes else "")
+                 + (f" {'passes':>6} {'R pass':>6} {'W pass':>6}" if args.count_passes else "")
         print(header, flush=True)
     rng = np.random.default_rng([args.seed, world.rank])
     for size in args.sizes:
@@ -270,15 +291,19 @@ def main() -> int:
                                     shared_buffer=args.shared_buffer,
                                     **options_of(a, args)) for a in args.algorithms]
         deadlines = {"on": [True], "off": [False], "both": [True, False]}[args.deadlines]
-        measured, read = measure(reducers, grad, args.warmup, args.repeat, args.shared_buffer, deadlines)
+        sends = gradient_arrays(reducers, grad, args.shared_buffer, args.in_place)
+        measured, read = measure(reducers, sends, grad, args.warmup, args.repeat, deadlines, args.in_place)
         modes = [(algorithm, on) for algorithm in args.algorithms for on in deadlines]
-        sends = [reducer.buffer if args.shared_buffer else grad for reducer in reducers]
         if args.count_passes:
+            sends = gradient_arrays(reducers, grad, args.shared_buffer, args.in_place)  # the gradient again
             out = topology.memory.xp.empty_like(grad)
-            counts = [passes.counted_call(reducer, send, out) for reducer, send in zip(reducers, sends)]
+            counts = [passes.counted_call(reducer, send, send if args.in_place else out)
+                      for reducer, send in zip(reducers, sends)]
             for figures, counted in zip(measured, [counted for counted in counts for _ in deadlines]):
-                figures["pass_reads"], figures["pass_writes"] = counted["reads"], counted["writes"]
+                figures["pass_count"], figures["pass_reads"], figures["pass_writes"] = (
+                    counted["passes"], counted["reads"], counted["writes"])
         if args.link_counters:
+            sends = gradient_arrays(reducers, grad, args.shared_buffer, False)
             counts = link_bytes(reducers, sends, topology.memory.xp.empty_like(grad), counter)
             for figures, count in zip(measured, [count for count in counts for _ in deadlines]):
                 figures["link_bytes"] = count
@@ -297,7 +322,8 @@ def main() -> int:
                       f"{row['cpu_median'] * 1e3:8.3f} {row['time_reads']:6.2f} {row['cpu_reads']:6.2f} "
                       f"{row['t_check'] * 1e3:7.3f} {row['t_select'] * 1e3:8.3f} {row['t_intra'] * 1e3:8.3f} "
                       f"{row['t_inter'] * 1e3:8.3f} {row['bytes_intra']:>12,} {row['bytes_inter']:>12,}"
-                      + (f" {row['pass_reads']:6.2f} {row['pass_writes']:6.2f}" if args.count_passes else ""),
+                      + (f" {row['pass_count']:6d} {row['pass_reads']:6.2f} {row['pass_writes']:6.2f}"
+                         if args.count_passes else ""),
                       flush=True)
         if lead and args.out:
             record.write_record(args.out, meta, results=results)

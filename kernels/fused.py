@@ -22,21 +22,26 @@ from .magnitude import SAMPLE, Fresh, float_layout, sample_floors, sample_step, 
 from .selection import Selector
 
 
-def add_and_select(selector: Selector, values: np.ndarray, fresh: Fresh, k: int) -> np.ndarray:
+def add_and_select(selector: Selector, values: np.ndarray, fresh: Fresh, k: int, clear: bool = False) -> np.ndarray:
     """``values += fresh`` (a 16-bit float ``fresh`` widened exactly to the
     float32 ``values``; a tuple of arrays added as their sum in order, as a
     node's parts of a shard are), then the positions ``selector`` picks from
     the sum: the same as ``values += fresh; selector(values, k)``, in one
     sweep over the arrays where the selector ranks candidates (``values`` a
-    float array of over ``4 * SAMPLE`` entries and ``k`` below its length)."""
+    float array of over ``4 * SAMPLE`` entries and ``k`` below its length).
+    ``clear``: ``fresh`` (an array) is zeroed too, in the same sweep (it is
+    the result array, ``out=grad``)."""
     n = values.size
     layout = float_layout(values.dtype)
     if layout is None or n <= 4 * SAMPLE or k >= n:  # a small vector: its selectors rank every key anyway
         values += summed(fresh, slice(None), values.dtype)
         passes.book("feedback add", n * (1 + (len(fresh) if isinstance(fresh, tuple) else 1)), n)
+        if clear:
+            fresh.fill(0)
+            passes.book("zero-fill", 0, n)
         return selector(values, k)
     floor, expect = first_floor(selector, values, fresh, k)
-    positions, _ = scan(values, layout, floor, 2 * expect, fresh)
+    positions, _ = scan(values, layout, floor, 2 * expect, fresh, clear)
     if positions.size < k:  # the floor was above the k-th key: the selector searches the sum
         return selector(values, k)
     return positions[selector(values[positions], k)]

@@ -128,10 +128,13 @@ BLOCK = 64
 
 
 @numba.njit(nogil=True, cache=True)
-def _sweep(values, bits, fresh, widen, mask, floor, least, positions, keys):  # pragma: no cover - compiled
+def _sweep(values, bits, fresh, widen, zero, mask, floor, least, positions, keys):  # pragma: no cover - compiled
     """``_scan`` of ``values`` after adding ``fresh`` into it (widened through
-    the table ``widen`` when given). ``bits`` is a view of ``values``, and
-    ``least`` the magnitude whose key is ``floor``.
+    the table ``widen`` when given); where ``zero`` is not empty, it is
+    ``fresh`` itself, writable, added through this name and zeroed once read
+    (``fresh`` may be read-only, where Numba would compile no write to it).
+    ``bits`` is a view of ``values``, and ``least`` the magnitude whose key
+    is ``floor``.
 
     Block by block: the add compares each sum with ``least`` as it goes, as
     floats, which vectorises with the add (``not |x| < least`` holds for a
@@ -142,9 +145,14 @@ def _sweep(values, bits, fresh, widen, mask, floor, least, positions, keys):  # 
     read more; a branch per entry kept the add from vectorising.
     """
     count = 0
+    clear = zero.size > 0
     for start in range(0, values.size, BLOCK):
         stop = min(start + BLOCK, values.size)
-        if _add_reaches(values[start:stop], fresh[start:stop], widen, least):
+        if clear:
+            reached = _add_zero_reaches(values[start:stop], zero[start:stop], least)
+        else:
+            reached = _add_reaches(values[start:stop], fresh[start:stop], widen, least)
+        if reached:
             count = _collect(bits, start, stop, mask, floor, positions, keys, count)
     return count
 
@@ -189,6 +197,18 @@ def _add_reaches(values, fresh, widen, least):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _add_zero_reaches(values, fresh, least):  # pragma: no cover - compiled
+    """``_add_reaches`` of a ``fresh`` of ``values``' dtype, zeroed once read."""
+    reached = False
+    for i in range(values.size):
+        x = values[i] + fresh[i]
+        values[i] = x
+        fresh[i] = 0
+        reached |= not (abs(x) < least)
+    return reached
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _collect(bits, start, stop, mask, floor, positions, keys, count):  # pragma: no cover - compiled
     """``_scan`` of ``bits[start:stop]``, its finds written from ``count`` on; the new count."""
     capacity = positions.size
@@ -222,17 +242,21 @@ def _finite_stats(x, bits, mask, inf_key):  # pragma: no cover - compiled
     return total, top, finite
 
 
-def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fresh = None
+def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fresh = None, clear: bool = False
          ) -> tuple[np.ndarray, np.ndarray]:
     """Ascending positions and keys of every entry of float array ``x`` with key ``>= floor``;
     with ``fresh``, ``x += fresh`` first, in the same pass (``fresh`` of x's
     dtype, or a 16-bit float for a float32 ``x``, widened exactly; or a tuple
-    of arrays of x's dtype, whose sum in order is added).
+    of arrays of x's dtype, whose sum in order is added). ``clear``: zero
+    ``fresh`` (an array) in the same pass, once read: it is a result array
+    that would otherwise be zero-filled in a pass of its own.
 
     ``expect`` sizes the output; a second pass, never adding again, runs only when it was too small.
     """
     bits = x.view(layout.bits)
     widen = None
+    if clear and not (isinstance(fresh, np.ndarray) and fresh.dtype == x.dtype):
+        raise ValueError(f"clear takes an array of {x.dtype} to add, got {type(fresh).__name__}")
     if isinstance(fresh, np.ndarray) and fresh.dtype != x.dtype:
         widen = widening_table(fresh.dtype)
         fresh = fresh.view(np.uint16)
@@ -248,8 +272,9 @@ def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fre
             count = _sweep_parts(x, bits, _typed_alike(fresh), mask, layout.bits(floor), least, positions, keys)
             passes.book("node sum and candidates", x.size * (1 + len(fresh)), x.size)
         else:
-            count = _sweep(x, bits, fresh, widen, mask, layout.bits(floor), least, positions, keys)
-            passes.book("candidates", 2 * x.size, x.size)
+            zero = fresh if clear else fresh[:0].copy()  # a copy: writable
+            count = _sweep(x, bits, fresh, widen, zero, mask, layout.bits(floor), least, positions, keys)
+            passes.book("candidates", 2 * x.size, (1 + clear) * x.size)
         if count <= size:
             return positions[:count], keys[:count]
         size, fresh, widen = count, None, None

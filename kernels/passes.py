@@ -35,11 +35,13 @@ def counting() -> Iterator[List[Tuple[str, int, int]]]:
 def totals(books: List[Tuple[str, int, int]], length: int, least: float = 0.25) -> Dict[str, float]:
     """Reads and writes in vectors of ``length``, summed over the passes of each
     name that touched at least ``least`` of it in all (the full-length ones: a
-    shard of a node of 4 counts, the k selected pairs do not)."""
+    shard of a node of 4 counts, the k selected pairs do not), and how many
+    names those are (``passes``: a write that rides on a pass's read costs
+    less than a pass of its own, which must fetch what it overwrites)."""
     named: Dict[str, List[int]] = {}
     for name, read, written in books:
         named.setdefault(name, [0, 0])
         named[name][0] += read
         named[name][1] += written
     full = [(read, written) for read, written in named.values() if max(read, written) >= least * length]
-    return {"reads": sum(r for r, _ in full) / length, "writes": sum(w for _, w in full) / length}
+    return {"passes": len(full), "reads": sum(r for r, _ in full) / length, "writes": sum(w for _, w in full) / length}

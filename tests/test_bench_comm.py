@@ -50,6 +50,25 @@ def test_deadlines_both_measures_each_allreducer_each_way_in_the_same_rounds(run
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("in_place", [False, True])
+def test_count_passes_counts_the_zero_fill_apart_or_riding_on_the_sweep(run_driver, tmp_path, in_place):
+    """Past ``4 * SAMPLE`` values the selectors sweep; in place, the sweep also
+    zeroes the gradient for the result, where ``out`` apart takes a zero-fill."""
+    out = tmp_path / "bench.json"
+    result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", 300_001, "--algorithms", "dense,topka",
+                        "--density", 0.001, "--repeat", 2, "--warmup", 1, "--count-passes", "--out", out,
+                        *(["--in-place"] if in_place else []), ranks=2)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(out.read_text())
+    assert document["meta"]["in_place"] is in_place
+    rows = {row["algorithm"]: row for row in document["results"]}
+    topka = rows["topka"]
+    assert (topka["pass_count"], topka["pass_reads"], topka["pass_writes"]) == (
+        2 if in_place else 3, pytest.approx(3, abs=0.01), pytest.approx(2, abs=0.01))
+    assert rows["dense"]["bytes_inter"] == 300_001 * 4 and topka["bytes_inter"] > 0  # the calls reduced
+
+
+@pytest.mark.slow
 def test_a_value_codec_narrows_the_messages_of_the_algorithms_that_take_one(run_driver, tmp_path):
     out = tmp_path / "bench.json"
     result = run_driver("bench_comm.py", "--ranks-per-node", 1, "--sizes", "4099", "--density", 0.01,

@@ -13,12 +13,13 @@ from mpi4py import MPI
 from ..kernels import passes
 
 
-def counted_call(reducer: Any, grad: Any, out: Any) -> Dict[str, float]:
-    """``reducer.allreduce(grad, out=out)`` once, counting its passes: reads and
-    writes, the largest over ranks (collective)."""
+def counted_call(reducer: Any, grad: Any, out: Any) -> Dict[str, Any]:
+    """``reducer.allreduce(grad, out=out)`` once, counting its passes: how many,
+    their reads and their writes, each the largest over ranks (collective)."""
     with passes.counting() as books:
         reducer.allreduce(grad, out=out)
     mine = passes.totals(books, reducer.size)
-    most = np.empty(2)
-    reducer.topology.world.Allreduce(np.array([mine["reads"], mine["writes"]]), most, op=MPI.MAX)
-    return {"reads": float(most[0]), "writes": float(most[1])}
+    most = np.empty(3)
+    reducer.topology.world.Allreduce(np.array([mine["passes"], mine["reads"], mine["writes"]], float), most,
+                                     op=MPI.MAX)
+    return {"passes": int(most[0]), "reads": float(most[1]), "writes": float(most[2])}

@@ -201,6 +201,13 @@ class Allreducer:
             out.fill(0)
         return out
 
+    def result_is(self, grad: Any) -> bool:
+        """Whether the result array is ``grad`` itself (``out=grad``, as a
+        training loop reduces in place): a selection that reads ``grad`` for
+        the last time may then zero it as it goes, instead of ``output``
+        zero-filling it in a pass of its own (``output(zeroed=False)``)."""
+        return self._out is grad
+
     def averaged(self, values: Any) -> Any:
         """Divide by the world size in place when averaging. Each algorithm calls
         it where the fewest values are in hand (the k selected pairs, or a shard

@@ -63,13 +63,14 @@ class ErrorFeedback:
         passes.book("feedback add", 2 * fresh.size, fresh.size)
         return acc
 
-    def add_and_select(self, fresh: Any, selector: kernels.Selector, k: int, part: slice = slice(None)) -> Any:
+    def add_and_select(self, fresh: Any, selector: kernels.Selector, k: int, part: slice = slice(None),
+                       clear: bool = False) -> Any:
         """``add`` of ``fresh`` into the residual's ``part`` (feedback on, host
         arrays), with ``selector``'s candidate pass riding on the add's sweep
         (``kernels.add_and_select``): the residual ends as ``add`` leaves it,
         and the positions within ``part`` that ``selector`` picks from it come back.
-        A 16-bit ``fresh`` is widened in the same sweep."""
-        return kernels.add_and_select(selector, self.state.values[part], fresh, k)
+        A 16-bit ``fresh`` is widened in the same sweep; with ``clear``, zeroed there."""
+        return kernels.add_and_select(selector, self.state.values[part], fresh, k, clear)
 
     def rescale(self, factor: float) -> None:
         """Multiply the residual by ``factor``: the gradients it is added to

@@ -33,9 +33,13 @@ class GTopKAllreducer(Allreducer):
         self.keep_largest = self.memory.selector("exact", {})  # the merge's pick
         self.feedback.cover(0, self.size)
 
+    @property
+    def widens_in_sweep(self) -> bool:
+        return self.feedback.on and self.memory.in_host_memory
+
     def _reduce(self, grad: Any) -> Any:
-        acc = self.feedback.add(grad)
-        indices, values = self.topk(acc)
+        in_place = self.result_is(grad)  # then the sweep that reads grad zeroes it for the result
+        indices, values = self.topk.add_and_pick(grad, clear=in_place)
         if self.layout.k != len(indices):  # this call's density is another than the last call's
             self.layout = PairLayout(len(indices), self.dtype, self.xp)
         buf = self.space[: self.layout.nbytes]
@@ -55,7 +59,7 @@ class GTopKAllreducer(Allreducer):
             self._pack(buf, indices, values)
         self.world.bcast(buf, root=0)
         values, indices = self.layout.views(buf)
-        out = self.output(zeroed=True)
+        out = self.output(zeroed=not in_place)
         out[indices] = self.averaged(values)
         return out
 

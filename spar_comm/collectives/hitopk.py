@@ -53,9 +53,11 @@ class HiTopKAllreducer(Allreducer):
 
     def _reduce(self, grad: Any) -> Any:
         if self.local.size == 1:  # this rank is its node: its residual takes grad as topka's does
-            picks = [site.topk.add_and_pick(grad[site.lo : site.hi], slice(site.lo, site.hi)) for site in self.sites]
+            in_place = self.result_is(grad)  # the sites' sweeps zero grad, the whole of it, for the result
+            picks = [site.topk.add_and_pick(grad[site.lo : site.hi], slice(site.lo, site.hi), clear=in_place)
+                     for site in self.sites]
             acc = self.feedback.residual if self.feedback.on else grad
-            out = self.output(zeroed=True)  # grad (perhaps ``out``) was read for the last time above
+            out = self.output(zeroed=not in_place)  # grad (perhaps ``out``) was read for the last time above
             touched = self._exchange(picks, out, acc)
             self.averaged_at(out, touched)
             return out

@@ -17,6 +17,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 
 from .. import kernels
+from ..kernels import passes
 from ..memory import HostMemory
 from .feedback import ErrorFeedback
 
@@ -79,17 +80,24 @@ class TopK:
         start = self.memory.now()
         return self._picked(acc, self.selector(acc, k), start)
 
-    def add_and_pick(self, fresh: Any, part: slice = slice(None)) -> Tuple[Any, Any]:
+    def add_and_pick(self, fresh: Any, part: slice = slice(None), clear: bool = False) -> Tuple[Any, Any]:
         """Error feedback's ``add`` of ``fresh`` into the residual's ``part``, then
         ``self`` of that part: on the host in one sweep over both arrays
         (``ErrorFeedback.add_and_select``), where the add and the selection's
         candidate pass would each read the residual; a 16-bit ``fresh`` is
-        widened there too. Its time counts as selection."""
+        widened there too. Its time counts as selection.
+
+        ``clear``: ``fresh`` is zero on return (it is the result array, which
+        the sweep zeroes as it reads it, where a zero-fill would pass over it again)."""
         k = self.k
         if not (self.feedback.on and self.memory.in_host_memory and k):
-            return self(self.feedback.add(fresh, part))
+            picks = self(self.feedback.add(fresh, part))  # the values picked are copies
+            if clear:
+                fresh.fill(0)
+                passes.book("zero-fill", 0, fresh.size)
+            return picks
         start = self.memory.now()
-        indices = self.feedback.add_and_select(fresh, self.selector, k, part)
+        indices = self.feedback.add_and_select(fresh, self.selector, k, part, clear)
         return self._picked(self.feedback.residual[part], indices, start)
 
     def _picked(self, acc: Any, indices: Any, start: float) -> Tuple[Any, Any]:

@@ -27,8 +27,9 @@ class TopKAllgatherAllreducer(Allreducer):
         return self.feedback.on and self.memory.in_host_memory
 
     def _reduce(self, grad: Any) -> Any:
-        indices, values = self.topk.add_and_pick(grad)
-        out = self.output(zeroed=True)
+        in_place = self.result_is(grad)  # then the sweep that reads grad zeroes it for the result
+        indices, values = self.topk.add_and_pick(grad, clear=in_place)
+        out = self.output(zeroed=not in_place)
         touched = self.exchange(indices, values, out, self.feedback.residual)
         self.averaged_at(out, touched)
         return out
