@@ -152,7 +152,7 @@ def measure(reducers: list, sends: list, grad, warmup: int, repeat: int, deadlin
     ``grad`` is an array of the topology's memory (NumPy, or CuPy on a GPU); a
     call returns once its result is written, the device's stream included."""
     world = reducers[0].topology.world
-    out = reducers[0].xp.empty_like(grad)  # reduced into a buffer kept from call to call
+    out = None if in_place else reducers[0].xp.empty_like(grad)  # a buffer kept from call to call
 
     def reduce(reducer, send, on: bool) -> None:
         with waiting.deadlines(on):
@@ -296,7 +296,7 @@ def main() -> int:
         modes = [(algorithm, on) for algorithm in args.algorithms for on in deadlines]
         if args.count_passes:
             sends = gradient_arrays(reducers, grad, args.shared_buffer, args.in_place)  # the gradient again
-            out = topology.memory.xp.empty_like(grad)
+            out = None if args.in_place else topology.memory.xp.empty_like(grad)
             counts = [passes.counted_call(reducer, send, send if args.in_place else out)
                       for reducer, send in zip(reducers, sends)]
             for figures, counted in zip(measured, [counted for counted in counts for _ in deadlines]):

@@ -29,8 +29,9 @@ def add_and_select(selector: Selector, values: np.ndarray, fresh: Fresh, k: int,
     the sum: the same as ``values += fresh; selector(values, k)``, in one
     sweep over the arrays where the selector ranks candidates (``values`` a
     float array of over ``4 * SAMPLE`` entries and ``k`` below its length).
-    ``clear``: ``fresh`` (an array) is zeroed too, in the same sweep (it is
-    the result array, ``out=grad``)."""
+    ``clear``: ``fresh`` (an array of ``values``' dtype: the result array,
+    ``out=grad``) is zeroed too, in the sweep where there is one, else by a
+    fill after the add."""
     n = values.size
     layout = float_layout(values.dtype)
     if layout is None or n <= 4 * SAMPLE or k >= n:  # a small vector: its selectors rank every key anyway

@@ -256,7 +256,8 @@ def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fre
     bits = x.view(layout.bits)
     widen = None
     if clear and not (isinstance(fresh, np.ndarray) and fresh.dtype == x.dtype):
-        raise ValueError(f"clear takes an array of {x.dtype} to add, got {type(fresh).__name__}")
+        raise ValueError(f"clear zeroes the {x.dtype} array it adds; got "
+                         f"{getattr(fresh, 'dtype', type(fresh).__name__)}")
     if isinstance(fresh, np.ndarray) and fresh.dtype != x.dtype:
         widen = widening_table(fresh.dtype)
         fresh = fresh.view(np.uint16)

@@ -213,15 +213,17 @@ def test_bad_options_and_methods():
 
 
 @pytest.mark.parametrize("method", EXACT)
-@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float32", "float16"), ("float32", "bfloat16"),
-                                    ("float64", "float64")])
-def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(method, dtypes):
+@pytest.mark.parametrize("dtypes, clear", [
+    (("float32", "float32"), False), (("float32", "float32"), True), (("float32", "float16"), False),
+    (("float32", "bfloat16"), False), (("float64", "float64"), False), (("float64", "float64"), True)])
+def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(method, dtypes, clear):
     """``add_and_select`` leaves the sum's bits in ``values`` and picks the
     contract set of the sum, whether the floor it swept from was right, too
     high (a warm start above the k-th key: the selector searches the sum)
     or too low (more candidates than expected: the sweep's count sizes a
     second, read-only pass); a 16-bit ``fresh`` is widened exactly; a NaN or
-    Inf in ``fresh``, or a sum that overflows, is picked first."""
+    Inf in ``fresh``, or a sum that overflows, is picked first. With
+    ``clear``, ``fresh`` ends all zeros, and nothing else changes."""
     import ml_dtypes  # noqa: F401  (bfloat16)
 
     from spar_comm.kernels import add_and_select
@@ -243,10 +245,24 @@ def test_the_add_and_the_selection_in_one_sweep_are_the_add_then_the_selection(m
                 fresh[[200, 201]] = np.array([big, -big]).astype(fresh_dtype)  # sums past the largest, and to 0
         with np.errstate(over="ignore", invalid="ignore"):
             total = values + fresh.astype(values_dtype)
-        chosen = add_and_select(selector, values, fresh, k)
+        given = fresh.copy()
+        chosen = add_and_select(selector, values, fresh, k, clear)
         assert values.tobytes() == total.tobytes()
         assert np.array_equal(chosen, contract_set(total, k))
+        assert fresh.tobytes() == (np.zeros_like(given) if clear else given).tobytes()
         values[chosen] = 0  # as error feedback forgets what was sent
+
+
+def test_the_sweep_zeroes_only_what_it_adds_as_it_is():
+    """A widened or summed ``fresh`` is no result array: zeroing it is refused
+    before anything changes."""
+    from spar_comm.kernels.magnitude import float_layout, scan
+
+    values = np.ones(LARGE, np.float32)
+    for fresh in (np.ones(LARGE, np.float16), (np.ones(LARGE, np.float32), np.ones(LARGE, np.float32))):
+        with pytest.raises(ValueError, match="clear zeroes the float32 array it adds"):
+            scan(values, float_layout(values.dtype), 0, 10, fresh, clear=True)
+        assert (values == 1).all()
 
 
 @pytest.mark.parametrize("method", EXACT)

@@ -56,9 +56,8 @@ class HiTopKAllreducer(Allreducer):
             in_place = self.result_is(grad)  # the sites' sweeps zero grad, the whole of it, for the result
             picks = [site.topk.add_and_pick(grad[site.lo : site.hi], slice(site.lo, site.hi), clear=in_place)
                      for site in self.sites]
-            acc = self.feedback.residual if self.feedback.on else grad
             out = self.output(zeroed=not in_place)  # grad (perhaps ``out``) was read for the last time above
-            touched = self._exchange(picks, out, acc)
+            touched = self._exchange(picks, out, self.feedback.residual)  # empty with feedback off
             self.averaged_at(out, touched)
             return out
         acc, picks = self._node_sum_and_picks(grad)

@@ -87,8 +87,9 @@ class TopK:
         candidate pass would each read the residual; a 16-bit ``fresh`` is
         widened there too. Its time counts as selection.
 
-        ``clear``: ``fresh`` is zero on return (it is the result array, which
-        the sweep zeroes as it reads it, where a zero-fill would pass over it again)."""
+        ``clear``: ``fresh`` is zero on return (it is the result array): the
+        sweep zeroes it as it reads it, where a zero-fill would pass over it
+        again; without a sweep (a device, feedback off, k of 0), a fill does."""
         k = self.k
         if not (self.feedback.on and self.memory.in_host_memory and k):
             picks = self(self.feedback.add(fresh, part))  # the values picked are copies
