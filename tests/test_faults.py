@@ -302,10 +302,10 @@ def run_processes(launcher: subprocess.Popen) -> List[int]:
     return found
 
 
-def job_ranks(launcher: subprocess.Popen) -> List[int]:
-    """The live ranks (train.py's processes) among ``run_processes(launcher)``."""
+def job_ranks(pids: List[int]) -> List[int]:
+    """The ranks (train.py's processes) among ``pids``, the job's live processes (``run_processes``)."""
     found = []
-    for pid in run_processes(launcher):
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 argv = cmdline.read().split(b"\0")
@@ -328,7 +328,7 @@ def ended(launcher: subprocess.Popen, since: float) -> tuple:
     try:
         while time.monotonic() < since + LIMIT:
             left = run_processes(launcher)
-            if ranks_gone is None and not job_ranks(launcher):
+            if ranks_gone is None and not job_ranks(left):
                 ranks_gone = time.monotonic() - since
             if not left and not reader.is_alive():
                 return launcher.returncode, output["out"], output["err"], ranks_gone, time.monotonic() - since
@@ -367,7 +367,7 @@ def test_the_launcher_killed_leaves_no_process(tmp_path, hosts, sig):
 def test_a_link_taken_down_or_slowed_to_a_crawl_ends_the_job_at_the_deadline(tmp_path, hosts, fault):
     segments = mpi_segments()
     launcher, ckpt, args = emulated_run(tmp_path)
-    assert len(job_ranks(launcher)) == 2, run_processes(launcher)  # a rank per host, found as ranks
+    assert len(job_ranks(run_processes(launcher))) == 2, run_processes(launcher)  # a rank per host, found as ranks
     if fault == "down":
         subprocess.run(["ip", "link", "set", hosts.veth(1), "down"], check=True)
     else:  # 1 kbit/s: a message of a step takes longer than the deadline
