@@ -12,8 +12,10 @@ import os
 
 
 SHM = "/dev/shm"
-#: MPICH's files, and Open MPI's (its shared-memory transport and windows).
-PREFIXES = ("mpich_shm_", "sm_segment.")
+#: spar_comm's own windows' files (``collectives/windows.py``), unlinked once mapped.
+WINDOW_PREFIX = "spar_comm_window_"
+#: MPICH's files, Open MPI's (its shared-memory transport and windows), and spar_comm's.
+PREFIXES = ("mpich_shm_", "sm_segment.", WINDOW_PREFIX)
 
 
 def mpi_segments() -> set:

@@ -86,9 +86,9 @@ class Topology:
             self.local = self.world.Split(color=rank // emulated, key=rank)
         self.emulated_ranks_per_node = emulated
         host = self.local if emulated is None else self.world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        #: "mpi", or "torch" for a torch.distributed group (``torch/transport.py``), which has no MPI windows.
+        #: "mpi", or "torch" for a torch.distributed group (``torch/transport.py``).
         self.transport: str = getattr(comm, "transport", "mpi")
-        self.local_shares_memory: bool = self.transport == "mpi" and (emulated is None or self._local_within(host))
+        self.local_shares_memory: bool = (emulated is None and self.transport == "mpi") or self._local_within(host)
         self.local_rank: int = self.local.rank
         self.local_size: int = self.local.size
         #: Where the rank's arrays live; ``memory.index`` is its GPU.
@@ -133,9 +133,14 @@ class Topology:
             self.leader.Set_name("between nodes (their first ranks)")
 
     def _local_within(self, host: MPI.Comm) -> bool:
-        """Whether every rank of my (emulated) node is on my ``host`` and can map my memory."""
-        placed = MPI.Group.Translate_ranks(self.local.group, list(range(self.local.size)), host.group)
-        inside = int(MPI.UNDEFINED not in placed)
+        """Whether every rank of my (emulated) node is on my ``host`` and can map
+        my memory: as MPI places them, or, for a torch.distributed group, whose
+        nodes are torchrun's groups, where they name one host."""
+        if self.transport == "mpi":
+            placed = MPI.Group.Translate_ranks(self.local.group, list(range(self.local.size)), host.group)
+            inside = int(MPI.UNDEFINED not in placed)
+        else:
+            inside = int(len(set(self.local.allgather(processor_name()))) == 1)
         return bool(self.local.allreduce(inside, op=MPI.MIN))
 
     @property

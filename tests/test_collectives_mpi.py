@@ -13,12 +13,20 @@ from mpi_helpers import assert_all, assert_identical_bits
 from reference import Reference, reproducible
 from spar_comm import ALGORITHMS, make_allreducer
 from spar_comm.collectives.channel import Channel, displacements
-from spar_comm.collectives import shm
+from spar_comm.collectives import shm, windows
 from spar_comm.collectives.shm import (ENV_SHARED_MEMORY, BufferedReduceScatter, MessageReduceScatter,
                                        SharedAllgather, SharedReduceScatter)
 
 COMM = MPI.COMM_WORLD
 STEPS = 4
+
+
+@pytest.fixture(params=["mpi", "file"])
+def window(request, monkeypatch):
+    """The node's windows as MPI makes them, or as files in /dev/shm (a torch.distributed group's)."""
+    if request.param == "file":
+        monkeypatch.setattr(shm, "open_window", windows.FileWindow)
+    return request.param
 
 
 def integer_grads(seed: int, step: int, p: int, n: int, dtype) -> list:
@@ -170,7 +178,7 @@ def test_gradient_assembled_in_the_shared_buffer(topology, algorithm):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [1, 5, 999, 10_007])
-def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
+def test_shared_memory_reduce_scatter_in_several_rounds(topology, window, dtype, n):
     """A small window forces many rounds; the result must equal MPI's Reduce_scatter."""
     ledger = {"t_intra": 0.0, "bytes_intra": 0, "bytes_staged": 0}
     channel = Channel(topology.local, "intra", ledger)
@@ -193,7 +201,7 @@ def test_shared_memory_reduce_scatter_in_several_rounds(topology, dtype, n):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("slot_bytes", [64 * 8, None], ids=["rounds", "one round"])
-def test_summed_gets_every_ranks_part_of_the_shard_in_rank_order_or_is_refused(topology, slot_bytes):
+def test_summed_gets_every_ranks_part_of_the_shard_in_rank_order_or_is_refused(topology, window, slot_bytes):
     """``summed=`` (hitopk's candidate pass riding on the node's sum) is handed
     every local rank's part of this rank's shard, in rank order, where the
     shard comes in one round; where it takes several, it is refused alike on
@@ -225,7 +233,7 @@ def test_summed_gets_every_ranks_part_of_the_shard_in_rank_order_or_is_refused(t
     lambda channel, counts, dtype: SharedReduceScatter(channel, counts, dtype, slot_bytes=64 * 4),
     BufferedReduceScatter,
 ], ids=["slots", "buffer"])
-def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, monkeypatch, make):
+def test_a_slow_owner_reads_its_pieces_before_they_are_overwritten(topology, window, monkeypatch, make):
     """Slots: one fence per round, so a slot half is written again only after
     the next fence. Buffer: the Allgather's fence ends the reads of the
     buffers, and each rank writes its buffer (here the result goes there, as

@@ -2,7 +2,8 @@
 allreducer, with and without codecs, over torch.distributed's gloo group
 (``spar_comm.torch.transport``) on every emulated node layout the world size
 allows, against the serial reference to the last bit: output, residual, and
-the same bits on every rank; and ``auto``'s timing of the link over the
+the same bits on every rank; the node's phase through its shared memory
+(files in /dev/shm) and through the group's collectives; and ``auto``'s timing of the link over the
 group, alike on every rank. Prints ``rank R: CASES cases, FAILURES failed``
 and each failure.
 
@@ -25,6 +26,7 @@ from mpi_helpers import layouts  # noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
+from spar_comm.collectives.shm import ENV_SHARED_MEMORY, SharedReduceScatter  # noqa: E402
 from spar_comm.costmodel import CPU, auto  # noqa: E402
 from spar_comm.device import device_index  # noqa: E402
 from spar_comm.torch.transport import TorchComm  # noqa: E402
@@ -39,12 +41,21 @@ def integer_grads(seed: int, step: int, p: int, n: int, dtype) -> list:
     return [(rng.integers(-(2**12), 2**12, n) * 2.0**-6).astype(dtype) for _ in range(p)]
 
 
-def cases():
+def cases(node_of_several: bool):
+    """(algorithm, n, density, values, indices, shared memory): each through
+    the node's shared memory, and those with a node phase also through the
+    group's collectives (``SPAR_COMM_SHM=0``) where a node has several ranks."""
     for algorithm in reproducible():
         for n, density in ((13, 0.2), (1037, 0.05)):
-            yield algorithm, n, density, None, None
+            yield algorithm, n, density, None, None, True
         if algorithm in CODECS["values"]:
-            yield algorithm, 1037, 0.05, "int8", "auto" if algorithm in CODECS["indices"] else None
+            yield algorithm, 1037, 0.05, "int8", "auto" if algorithm in CODECS["indices"] else None, True
+        if node_of_several and algorithm in NODE_PHASE:
+            yield algorithm, 1037, 0.05, None, None, False
+
+
+#: The algorithms whose node phase is a Reduce_scatter and an Allgather (``shm.node_collectives``).
+NODE_PHASE = ("hier_dense", "hitopk", "adasum")
 
 
 
@@ -66,11 +77,16 @@ def main() -> None:
     count, failures, staged = 0, [], set()
     for rpn in layouts(p):
         topology = Topology(world, ranks_per_node=rpn, device=args.device)
-        assert not topology.local_shares_memory
-        for algorithm, n, density, values, indices in cases():
+        assert topology.local_shares_memory
+        for algorithm, n, density, values, indices, shared in cases(max(topology.node_sizes) > 1):
             count += 1
+            os.environ[ENV_SHARED_MEMORY] = "1" if shared else "0"
             reducer = make_allreducer(algorithm, topology, n, "float32", density=density, selector="exact",
                                       values=values, indices=indices)
+            if algorithm in NODE_PHASE and args.device == "cpu":
+                by_memory = isinstance(reducer.reduce_scatter, SharedReduceScatter)
+                if by_memory != (shared and topology.local_size > 1):
+                    failures.append(f"{algorithm} rpn={rpn} shared={shared}: node phase {reducer.reduce_scatter}")
             ref = Reference(algorithm, p, rpn, n, "float32", density, values=values)
             for step in range(STEPS):
                 grads = integer_grads(n, step, p, n, np.float32)
@@ -86,6 +102,7 @@ def main() -> None:
                     failures.append(f"{algorithm} n={n} values={values} rpn={rpn} step {step}: {problem}")
                     break
             reducer.free()
+        os.environ.pop(ENV_SHARED_MEMORY)
         if topology.num_nodes > 1 and args.device == "cpu":  # auto times the link as this transport moves messages
             count += 1
             pricing = auto.price(topology)

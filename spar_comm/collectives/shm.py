@@ -1,4 +1,5 @@
-"""The node's Reduce_scatter and Allgather through MPI shared-memory windows.
+"""The node's Reduce_scatter and Allgather through shared-memory windows
+(``windows.py``: MPI's, or a file in /dev/shm under a torch.distributed group).
 
 MPI's collectives move every block through message buffers: a copy in, a
 copy out (and for Reduce_scatter the sum). Here the node's ranks read each
@@ -25,10 +26,9 @@ the pair needs two fences a call: one before the sums, one before the copies.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -37,6 +37,7 @@ from .. import waiting
 from ..kernels import passes
 from .channel import Channel, displacements
 from .pairs import PairLayout
+from .windows import open_window
 
 #: Bytes of window per rank at most (two halves, each a piece for every other owner).
 SLOT_BYTES = 64 << 20
@@ -124,49 +125,6 @@ class MessageReduceScatter:
         pass
 
 
-# Windows still open when Python exits, freed before mpi4py's MPI_Finalize (an
-# atexit handler registered after mpi4py's runs first): MPICH's OFI netmod
-# cannot close its fabric while a window is open. Win.Free is collective: this
-# assumes all ranks exit normally together (a rank failing alone aborts the job
-# instead). Strong references: a window dropped unfreed would leak in MPI and
-# break MPI_Finalize, so a window lives until free() or exit.
-_OPEN: "Dict[int, NodeWindow]" = {}
-
-
-@atexit.register
-def _free_open_windows() -> None:
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        for window in list(_OPEN.values()):
-            window.free()
-
-
-class NodeWindow:
-    """An MPI shared-memory window over a node: ``elements`` per rank, every
-    rank's segment visible to all as ``segments[r]``."""
-
-    def __init__(self, comm: MPI.Comm, elements: int, dtype: np.dtype):
-        itemsize = np.dtype(dtype).itemsize
-        self.comm = comm
-        self.win = MPI.Win.Allocate_shared(elements * itemsize, itemsize, comm=comm)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-        _OPEN[id(self)] = self
-        self.segments: List[np.ndarray] = [
-            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype)[:elements] for r in range(comm.size)
-        ]
-
-    def fence(self) -> None:
-        """Every rank's writes so far are visible to all, and every rank has arrived."""
-        self.win.Sync()
-        waiting.collective(self.comm, "Barrier")
-        self.win.Sync()
-
-    def free(self) -> None:
-        if _OPEN.pop(id(self), None) is not None:
-            self.win.Unlock_all()
-            with waiting.watched("freeing a shared-memory window", self.comm):  # collective
-                self.win.Free()
-
-
 class SharedReduceScatter:
     """``reduce_scatter(send, recv, accumulate=False, summed=None)`` for one
     vector length and ``counts``, through bounded slots. Rank r's slot has a
@@ -183,7 +141,7 @@ class SharedReduceScatter:
         rows = max(1, g - 1)
         self.piece = max(1, min(slot_bytes // itemsize // (2 * rows), max(counts)))
         self.rounds = -(-max(self.counts) // self.piece)
-        self.window = NodeWindow(self.comm, 2 * rows * self.piece, dtype)
+        self.window = open_window(self.comm, 2 * rows * self.piece, dtype)
         self.slots = [segment.reshape(2, rows, self.piece) for segment in self.window.segments]
         self.half = 0  # the half of every slot the next round uses
         self.sums_whole = self.rounds == 1
@@ -240,7 +198,7 @@ class BufferedReduceScatter:
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
         self.channel, self.comm, self.counts = channel, channel.comm, list(counts)
         self.shards = [slice(first, first + n) for first, n in zip(displacements(counts), self.counts)]
-        self.window = NodeWindow(self.comm, sum(self.counts), dtype)
+        self.window = open_window(self.comm, sum(self.counts), dtype)
         self.buffer = self.window.segments[self.comm.rank]
         self.buffer[...] = 0  # as a plain buffer starts; MPI does not promise it
 
@@ -278,7 +236,7 @@ class SharedAllgather:
     def __init__(self, channel: Channel, counts: Sequence[int], dtype: np.dtype):
         self.channel, self.counts = channel, list(counts)
         self.offsets = displacements(counts)
-        self.window = NodeWindow(channel.comm, max(self.counts), dtype)
+        self.window = open_window(channel.comm, max(self.counts), dtype)
         self.region = self.window.segments[channel.rank][: self.counts[channel.rank]]
         self.region[...] = 0  # as a plain region starts
 

@@ -17,8 +17,9 @@ the whole job. The nonblocking forms complete at once: gloo waits without
 spinning, and NCCL's work is ordered on the device. Nodes (``Split_type``)
 are torchrun's groups (``GROUP_RANK``) where set, else the hosts' names.
 
-The node's shared-memory windows need MPI (``transport`` is ``"torch"``):
-the node's collectives go through the group instead.
+The node's shared-memory windows, which MPI would make, are files in
+/dev/shm named through the group (``collectives/windows.py``), where the
+node's ranks name one host.
 
 Device arrays (CuPy's) reach torch as CUDA tensors, without a copy. Each call
 puts its tensors where the group's backend takes them: NCCL takes device
@@ -136,7 +137,7 @@ class TorchComm:
     """The ranks of a process group, spoken to as an mpi4py ``Comm``.
     ``ranks`` are their ranks in torch's default group, in this comm's order."""
 
-    #: What ``Topology.transport`` says: no MPI windows, no MPI timing of the link.
+    #: What ``Topology.transport`` says: no MPI windows (``collectives/windows.py``), no MPI timing of the link.
     transport = "torch"
 
     def __init__(self, group: Any, ranks: Sequence[int]):
