@@ -33,7 +33,6 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from .. import waiting
 from ..kernels import passes
 from .channel import Channel, displacements
 from .pairs import PairLayout
