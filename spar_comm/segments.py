@@ -1,5 +1,6 @@
-"""The shared-memory files that aborted jobs leave in /dev/shm (MPICH's and
-Open MPI's), and their removal: by a rank that ends the job
+"""The shared-memory files that aborted jobs leave in /dev/shm (MPICH's,
+Open MPI's, and spar_comm's own windows under torch.distributed, whose
+rank 0 is killed while making one), and their removal: by a rank that ends the job
 (``remove_mapped``), and by what launched a job once it has ended
 (``remove_orphaned``: ``emucluster.py run``, the test harness).
 
@@ -19,7 +20,7 @@ PREFIXES = ("mpich_shm_", "sm_segment.", WINDOW_PREFIX)
 
 
 def mpi_segments() -> set:
-    """The names of MPI's shared-memory files now in /dev/shm."""
+    """The names of the shared-memory files of ``PREFIXES`` now in /dev/shm."""
     try:
         return {name for name in os.listdir(SHM) if name.startswith(PREFIXES)}
     except OSError:
@@ -27,9 +28,9 @@ def mpi_segments() -> set:
 
 
 def orphaned_segments(before: set) -> set:
-    """MPI's shared-memory files that appeared since ``before`` and that no
-    live process maps or holds open: what a job ended by MPI_Abort or SIGKILL
-    leaves behind (MPI gets no chance to unlink them)."""
+    """Shared-memory files (``mpi_segments``) that appeared since ``before``
+    and that no live process maps or holds open: what a job ended by
+    MPI_Abort or SIGKILL leaves behind (it gets no chance to unlink them)."""
     new = mpi_segments() - before
     if not new:
         return new

@@ -75,6 +75,7 @@ def main() -> None:
     world = TorchComm.world()
     p, rank = world.size, world.rank
     count, failures, staged = 0, [], set()
+    given = os.environ.get(ENV_SHARED_MEMORY)
     for rpn in layouts(p):
         topology = Topology(world, ranks_per_node=rpn, device=args.device)
         assert topology.local_shares_memory
@@ -102,7 +103,10 @@ def main() -> None:
                     failures.append(f"{algorithm} n={n} values={values} rpn={rpn} step {step}: {problem}")
                     break
             reducer.free()
-        os.environ.pop(ENV_SHARED_MEMORY)
+        if given is None:
+            os.environ.pop(ENV_SHARED_MEMORY)
+        else:
+            os.environ[ENV_SHARED_MEMORY] = given
         if topology.num_nodes > 1 and args.device == "cpu":  # auto times the link as this transport moves messages
             count += 1
             pricing = auto.price(topology)

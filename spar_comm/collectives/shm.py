@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,7 +37,7 @@ from mpi4py import MPI
 from ..kernels import passes
 from .channel import Channel, displacements
 from .pairs import PairLayout
-from .windows import open_window
+from .windows import WindowError, open_window
 
 #: Bytes of window per rank at most (two halves, each a piece for every other owner).
 SLOT_BYTES = 64 << 20
@@ -69,11 +70,21 @@ def node_collectives(channel: Channel, counts: Sequence[int], dtype: np.dtype, s
     Every call of the pair's ``reduce_scatter`` must be followed by one of its
     ``allgather`` before the caller writes its buffer or ``recv`` again.
     Collective over the node: its ranks agree on the choice (``SPAR_COMM_SHM``
-    may differ between them) before any window is allocated."""
+    may differ between them) before any window is allocated, and on the
+    messages, with a warning, where a file window cannot be made."""
     wanted = int(shares_memory and os.environ.get(ENV_SHARED_MEMORY, "1") != "0")
     if channel.size > 1 and channel.comm.allreduce(wanted, op=MPI.MIN):  # the node agrees
         scatter = BufferedReduceScatter if shared_buffer else SharedReduceScatter
-        return scatter(channel, counts, dtype), SharedAllgather(channel, counts, dtype)
+        made: List[Any] = []
+        try:
+            made.append(scatter(channel, counts, dtype))
+            made.append(SharedAllgather(channel, counts, dtype))
+            return made[0], made[1]
+        except WindowError as error:  # on every rank of the node alike
+            for collective in made:
+                collective.free()
+            warnings.warn(f"{error}; the node's collectives go by messages instead (a larger /dev/shm, or "
+                          f"{ENV_SHARED_MEMORY}=0 to choose them)", RuntimeWarning, stacklevel=3)
     return MessageReduceScatter(channel, counts), MessageAllgather(channel, counts, dtype)
 
 

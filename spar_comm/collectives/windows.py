@@ -7,12 +7,14 @@ Two makers, chosen by the communicator (``open_window``):
 * ``MPIWindow``: MPI's own (``MPI.Win.Allocate_shared``), on an MPI communicator;
 * ``FileWindow``: a file in /dev/shm that local rank 0 makes and names to
   the others through the communicator, on any other (a torch.distributed
-  group, ``torch/transport.py``, which has no windows). Its name is
-  unlinked as soon as every rank has mapped it, so nothing is left in
-  /dev/shm however the job ends later; the memory goes with the last mapping.
-  Its fence is the communicator's barrier: the barrier's messages pass
-  through the kernel, which orders each rank's writes before them (x86's
-  stores are seen in order anyway).
+  group, ``torch/transport.py``, which has no windows). Rank 0 holds it
+  mapped from its making, and unlinks its name as soon as every rank has
+  mapped it (or given up), so nothing is left in /dev/shm however the job
+  ends later, unless rank 0 is killed outright in between (then the
+  launcher's cleanup, ``segments.py``, finds the file unheld); the memory
+  goes with the last mapping. Its fence is the communicator's barrier,
+  which no rank leaves before every rank has entered it: the backend's
+  locks and messages order each rank's writes before its arrival.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from mpi4py import MPI
 
 from .. import waiting
 from ..consensus import raise_if_any
-from ..errors import ConfigError
+from ..errors import SparCommError
 from ..segments import SHM, WINDOW_PREFIX
 
 #: A window's segments start on page boundaries.
@@ -85,32 +87,39 @@ class MPIWindow:
                 self.win.Free()
 
 
+class WindowError(SparCommError):
+    """A node's file window could not be made; raised on every rank of the node alike."""
+
+
 class FileWindow:
     """A window made of one file in /dev/shm: ``elements`` per rank, rank r's
-    segment at ``r`` times a whole number of pages, zeros to start with."""
+    segment at ``r`` times a whole number of pages, zeros to start with.
+    WindowError on every rank of ``comm`` where it cannot be made (a /dev/shm
+    too small; ranks that name one host but do not share its /dev/shm), and
+    no file left."""
 
     def __init__(self, comm: Any, elements: int, dtype: np.dtype):
         dtype = np.dtype(dtype)
         self.comm = comm
         stride = max(PAGE, -(-elements * dtype.itemsize // PAGE) * PAGE)
         size = stride * comm.size
-        name, problem = None, None
-        if comm.rank == 0:
+        name, mapped, problem = "", None, None
+        if comm.rank == 0:  # mapped at once: the file is never unheld, which a cleanup would take for orphaned
             name = f"{WINDOW_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-            problem = _make(os.path.join(SHM, name), size)
-        with waiting.watched("naming a shared-memory window", comm):
-            name, made = comm.bcast((name, problem), root=0)
-        mapped: Optional[mmap.mmap] = None
+            mapped, problem = _make(os.path.join(SHM, name), size)
         try:
-            if made is None:
+            with waiting.watched("naming a shared-memory window", comm):
+                name, made = comm.bcast((name, problem), root=0)
+            if comm.rank != 0 and made is None:
                 mapped, problem = _map(os.path.join(SHM, name), size)
-            else:
-                problem = made
             with waiting.watched("mapping a shared-memory window", comm):
-                raise_if_any(comm, problem and f"the node's shared memory: {problem}; a larger /dev/shm serves, or "
-                                               "SPAR_COMM_SHM=0 (the node's collectives by messages)")
+                raise_if_any(comm, problem and f"the node's shared memory: {problem}", WindowError)
+        except BaseException:
+            if mapped is not None:
+                mapped.close()
+            raise
         finally:  # every rank has mapped it, or given up: the name is of no more use
-            if comm.rank == 0 and made is None:
+            if comm.rank == 0 and problem is None:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(SHM, name))
         self.name: str = name  # gone from /dev/shm already
@@ -127,31 +136,31 @@ class FileWindow:
         self.segments, self._mapped = [], None
 
 
-def _make(path: str, size: int) -> Optional[str]:
-    """Make the file at ``path`` with ``size`` bytes reserved; why not, or None.
-    Reserved, not only sized: a tmpfs page that cannot be had would otherwise
-    end the process with SIGBUS at its first write."""
+def _make(path: str, size: int) -> "tuple[Optional[mmap.mmap], Optional[str]]":
+    """The file at ``path`` made with ``size`` bytes reserved, and mapped; or
+    why not. Reserved, not only sized: a tmpfs page that cannot be had would
+    otherwise end the process with SIGBUS at its first write."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as error:
-        return f"cannot make {path}: {error.strerror}"
+        return None, f"cannot make {path}: {error.strerror}"
     try:
         os.posix_fallocate(fd, 0, size)
-        return None
+        return mmap.mmap(fd, size), None
     except OSError as error:
         with contextlib.suppress(OSError):
             os.unlink(path)
-        return f"cannot reserve {size} bytes in {SHM}: {error.strerror}"
+        return None, f"cannot reserve {size} bytes in {SHM}: {error.strerror}"
     finally:
         os.close(fd)
 
 
 def _map(path: str, size: int) -> "tuple[Optional[mmap.mmap], Optional[str]]":
-    """The file at ``path`` mapped, or why not (a rank on another host finds no such file)."""
+    """The file at ``path`` mapped, or why not (a rank whose /dev/shm is not rank 0's finds no such file)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as error:
-        return None, f"cannot open {path}: {error.strerror} (are the node's ranks on one host?)"
+        return None, f"cannot open {path}: {error.strerror}"
     try:
         return mmap.mmap(fd, size), None
     except (OSError, ValueError) as error:
