@@ -136,12 +136,10 @@ class Topology:
         """Whether every rank of my (emulated) node is on my ``host`` and can map
         my memory: as MPI places them, or, for a torch.distributed group, whose
         nodes are torchrun's groups, where they name one host."""
-        if self.transport == "mpi":
-            placed = MPI.Group.Translate_ranks(self.local.group, list(range(self.local.size)), host.group)
-            inside = int(MPI.UNDEFINED not in placed)
-        else:
-            inside = int(len(set(self.local.allgather(processor_name()))) == 1)
-        return bool(self.local.allreduce(inside, op=MPI.MIN))
+        if self.transport != "mpi":  # every rank of the node gathers the same names
+            return len(set(self.local.allgather(processor_name()))) == 1
+        placed = MPI.Group.Translate_ranks(self.local.group, list(range(self.local.size)), host.group)
+        return bool(self.local.allreduce(int(MPI.UNDEFINED not in placed), op=MPI.MIN))
 
     @property
     def equal_nodes(self) -> bool:

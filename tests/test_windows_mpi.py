@@ -74,7 +74,8 @@ def test_a_window_that_cannot_be_made_is_refused_on_every_rank_and_leaves_nothin
         message = str(error)
     named = os.strerror(errno.ENOSPC) in message if failing == "make" else "No such file" in message
     assert_all(COMM, named, message)
-    assert_all(COMM, made_by(node) == set(), f"left in {SHM}: {made_by(node)}")
+    left = made_by(node)
+    assert_all(COMM, left == set(), f"left in {SHM}: {left}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -96,4 +97,5 @@ def test_the_node_takes_messages_where_its_windows_cannot_be_made(topology, monk
     assert_all(COMM, taken == ("MessageReduceScatter", "MessageAllgather"), f"took {taken}")
     said = [str(w.message) for w in warned]
     assert_all(COMM, any("go by messages" in text for text in said), f"warned {said}")
-    assert_all(COMM, made_by(node) == set(), f"left in {SHM}: {made_by(node)}")
+    left = made_by(node)
+    assert_all(COMM, left == set(), f"left in {SHM}: {left}")
