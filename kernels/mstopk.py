@@ -23,9 +23,11 @@ What ours changes, and why:
   would cost N times a pass. A strided sample first bounds the k-th magnitude
   from below, one compiled pass collects every entry at or above that floor
   (about 1-2k entries; a lower floor is retried if fewer than k come back) and
-  the N steps count among those. Above the floor these are the true counts;
-  below it the true count is at least the candidate count ``>= k``, which can
-  move the bisection only where the band then holds the same top-k set. The
+  the N steps count among those, in one compiled loop (NumPy's comparison a
+  step cost about as much again in calls and allocations). Above the floor
+  these are the true counts; below it the true count is at least the
+  candidate count ``>= k``, which can move the bisection only where the band
+  then holds the same top-k set. The
   mean and maximum are the true ones over all of x, from one vectorised pass.
 * **Counting is ``|x| >= t``** with ``t`` rounded up to the input's dtype, as
   real arithmetic means it (some copies are off by one here).
@@ -41,9 +43,11 @@ key array (one copy).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
+import numba
 import numpy as np
 
 from .magnitude import SAMPLE, candidates_from, finite_stats, float_layout, magnitude_keys, native, pick_top, sample_floors
@@ -73,6 +77,69 @@ def _key_at_least(t: float, dtype: np.dtype, top_key: int) -> int:
     return int(v.view(layout.bits))
 
 
+@functools.lru_cache(maxsize=None)
+def _rounding(dtype: np.dtype) -> tuple[int, np.ndarray]:
+    """How ``_bisect`` rounds a threshold up to ``dtype`` (the ``kind`` it
+    takes), and for float16, which Numba cannot compute in, the value of
+    every non-negative key up to Inf's, ascending (a key is the smallest
+    whose value is ``>= t``: a search)."""
+    layout = float_layout(dtype)
+    if layout is None:
+        return 0, np.empty(0)
+    if layout.bits is np.uint16:
+        return 16, np.arange(layout.inf_key + 1, dtype=np.uint16).view(np.float16).astype(np.float64)
+    return 8 * np.dtype(dtype).itemsize, np.empty(0)
+
+
+@numba.njit(nogil=True, cache=True)
+def _threshold_key(t, kind, table, top_key):  # pragma: no cover - compiled
+    """``_key_at_least`` compiled: the key of the smallest magnitude of the
+    dtype ``>= t`` (``t >= 0``), as an unsigned 64-bit integer."""
+    if kind == 0:
+        return min(np.uint64(np.ceil(t)), top_key)
+    if kind == 16:
+        return np.uint64(np.searchsorted(table, t))
+    if kind == 32:
+        single = np.empty(1, np.float32)
+        single[0] = t  # rounded to the nearest float32
+        bits = np.uint64(single.view(np.uint32)[0])
+        return bits + np.uint64(1) if np.float64(single[0]) < t else bits  # then the next one up
+    double = np.empty(1, np.float64)
+    double[0] = t
+    return double.view(np.uint64)[0]
+
+
+@numba.njit(nogil=True, cache=True)
+def _count_at_least(keys, key):  # pragma: no cover - compiled
+    count = 0
+    for i in range(keys.size):
+        count += keys[i] >= key
+    return count
+
+
+@numba.njit(nogil=True, cache=True)
+def _bisect(keys, k, steps, mean, top, kind, table, top_key):  # pragma: no cover - compiled
+    """The N bisection steps over ``keys``: ``(thres1, k1, thres2, k2)``;
+    ``thres1`` was set where ``k1 > 0``, ``thres2`` where ``k2 < keys.size``.
+    Keys and thresholds compare in the keys' own unsigned type, exactly."""
+    lo, hi = 0.0, 1.0
+    thres1 = thres2 = np.uint64(0)
+    k1, k2 = 0, keys.size
+    for _ in range(steps):
+        ratio = (lo + hi) / 2
+        t = _threshold_key(mean + ratio * (top - mean), kind, table, top_key)
+        c = _count_at_least(keys, keys.dtype.type(t))
+        if c <= k:
+            hi = ratio
+            if c > k1:
+                k1, thres1 = c, t
+        else:
+            lo = ratio
+            if c < k2:
+                k2, thres2 = c, t
+    return thres1, k1, thres2, k2
+
+
 def mstopk_select(x: np.ndarray, k: int, N: int = 30) -> tuple[np.ndarray, Optional[int]]:
     """The positions MSTopK picks (ascending) and the key of the smallest one picked."""
     check_input(x, k)
@@ -91,25 +158,12 @@ def mstopk_select(x: np.ndarray, k: int, N: int = 30) -> tuple[np.ndarray, Optio
         positions, keys = candidates_from(x, layout, k, sample_floors(x, layout, k))
     top_key = _key_at_least(top, x.dtype, int(keys.max()))
 
-    lo, hi = 0.0, 1.0
-    thres1 = thres2 = None  # keys; None: never set
-    k1, k2 = 0, keys.size
-    for _ in range(N):
-        ratio = (lo + hi) / 2
-        t = _key_at_least(mean + ratio * (top - mean), x.dtype, top_key)
-        c = int(np.count_nonzero(keys >= keys.dtype.type(t)))
-        if c <= k:
-            hi = ratio
-            if c > k1:
-                k1, thres1 = c, t
-        else:
-            lo = ratio
-            if c < k2:
-                k2, thres2 = c, t
+    kind, table = _rounding(x.dtype)
+    thres1, k1, thres2, k2 = _bisect(keys, k, N, mean, top, kind, table, np.uint64(top_key))
 
-    chosen = np.zeros(keys.size, dtype=bool) if thres1 is None else keys >= keys.dtype.type(thres1)
+    chosen = np.zeros(keys.size, dtype=bool) if k1 == 0 else keys >= keys.dtype.type(thres1)
     if k1 < k:  # the band lies below thres1, so its k-th pick is the smallest selected key
-        band = np.flatnonzero(~chosen if thres2 is None else ~chosen & (keys >= keys.dtype.type(thres2)))
+        band = np.flatnonzero(~chosen if k2 == keys.size else ~chosen & (keys >= keys.dtype.type(thres2)))
         fill, kth = pick_top(keys[band], k - k1)
         chosen[band[fill]] = True
     else:
