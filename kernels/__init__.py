@@ -7,12 +7,12 @@ are the one way to a selection method, on the host or on a device.
 from typing import Any, Optional
 
 from .selection import SELECTORS, Selector, check_input, is_cupy, register, selector_of
-from .finite import all_finite
+from .finite import all_finite, copy_all_finite
 from .fused import add_and_select
 from .sparse import scatter_add, sorted_distinct
 from . import mstopk, threshold  # noqa: E402,F401  (register their methods)
 
-__all__ = ["add_and_select", "all_finite", "SELECTORS", "Selector", "make_selector", "register", "scatter_add", "sorted_distinct", "topk"]
+__all__ = ["add_and_select", "all_finite", "copy_all_finite", "SELECTORS", "Selector", "make_selector", "register", "scatter_add", "sorted_distinct", "topk"]
 
 
 def make_selector(method: str = "mstopk", device: bool = False, **options: Any) -> Selector:

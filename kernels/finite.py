@@ -1,4 +1,5 @@
-"""Is every entry finite? One compiled pass, as fast as a read.
+"""Is every entry finite? One compiled pass, as fast as a read; or no pass
+of its own where an array is being copied anyway (``copy_all_finite``).
 
 For float32 and float64 the pass sums ``x * 0``: a finite entry adds a
 zero, an Inf or a NaN makes the sum NaN. Letting the compiler reassociate
@@ -31,10 +32,29 @@ def _sum_of_zeros(x: np.ndarray, zero) -> float:
     return total
 
 
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc"})
+def _copy_sum_of_zeros(destination: np.ndarray, source: np.ndarray, zero) -> float:
+    total = zero
+    for i in range(source.size):
+        x = source[i]
+        destination[i] = x
+        total += x * zero
+    return total
+
+
 @numba.njit(nogil=True, cache=True)
 def _largest_exponent(bits: np.ndarray, mask) -> int:
     largest = bits.dtype.type(0)
     for i in range(bits.size):
+        largest = max(largest, bits[i] & mask)
+    return largest
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy_largest_exponent(destination: np.ndarray, bits: np.ndarray, mask) -> int:
+    largest = bits.dtype.type(0)
+    for i in range(bits.size):
+        destination[i] = bits[i]
         largest = max(largest, bits[i] & mask)
     return largest
 
@@ -47,3 +67,19 @@ def all_finite(x: np.ndarray) -> bool:
         unsigned, mask = _EXPONENT[x.dtype]
         return bool(_largest_exponent(flat.view(unsigned), unsigned(mask)) != mask)
     return bool(_sum_of_zeros(flat, x.dtype.type(0)) == 0)
+
+
+def copy_all_finite(destination: np.ndarray, source: np.ndarray) -> bool:
+    """``destination[...] = source`` (contiguous arrays of one dtype and size),
+    and whether no entry is NaN or Inf: the check rides on the copy's pass,
+    which costs what the copy alone does, where a check after it reads the
+    array again (a gradient gathered into its bucket, then allreduced)."""
+    if destination.dtype != source.dtype or destination.size != source.size:
+        raise ValueError(f"copy_all_finite copies alike arrays: {source.dtype}[{source.size}] into "
+                         f"{destination.dtype}[{destination.size}]")
+    passes.book("copy", source.size, source.size)
+    into, flat = destination.reshape(-1), source.reshape(-1)
+    if source.dtype in _EXPONENT:
+        unsigned, mask = _EXPONENT[source.dtype]
+        return bool(_copy_largest_exponent(into.view(unsigned), flat.view(unsigned), unsigned(mask)) != mask)
+    return bool(_copy_sum_of_zeros(into, flat, source.dtype.type(0)) == 0)

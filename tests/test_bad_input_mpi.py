@@ -15,6 +15,7 @@ from spar_comm import (
     Topology,
     make_allreducer,
 )
+from spar_comm.kernels import passes
 
 COMM = MPI.COMM_WORLD
 LAST = COMM.size - 1  # the rank that misbehaves
@@ -67,6 +68,21 @@ def test_bad_gradient_on_one_rank(topology, algorithm, case):
     assert_all(COMM, np.array_equal(residual, reducer.residual_full()), "the refused call changed the residual")
     out = reducer.allreduce(GOOD)  # still usable, on every rank
     assert_all(COMM, out.shape == (100,), "no result after a refused call")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_a_callers_finite_verdict_stands_for_the_check(topology, algorithm):
+    """``finite=``: the caller found out in a pass of its own, so the call makes
+    none; a False on one rank is refused on every rank as a NaN would be."""
+    reducer = make_allreducer(algorithm, topology, 100, "float32", density=0.1, selector="exact")
+    with passes.counting() as books:
+        reducer.allreduce(GOOD, finite=True)
+    assert_all(COMM, "finite" not in {name for name, _, _ in books}, f"a check pass despite finite=True: {books}")
+    residual = reducer.residual_full()
+    message = raised_everywhere(NonFiniteGradientError, lambda: reducer.allreduce(GOOD, finite=COMM.rank != LAST))
+    assert_all(COMM, f"rank {LAST}: non-finite" in message, message)
+    assert_all(COMM, np.array_equal(residual, reducer.residual_full()), "the refused call changed the residual")
 
 
 BAD_SETTINGS = {

@@ -87,7 +87,7 @@ def test_ranks_per_node_from_the_environment(monkeypatch):
     data=st.data(),
 )
 def test_all_finite_finds_any_nan_or_inf(dtype, n, bad, data):
-    from spar_comm.kernels import all_finite
+    from spar_comm.kernels import all_finite, copy_all_finite
 
     dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     x = (np.random.default_rng(n).standard_normal(n) * 1e3).astype(dtype)
@@ -97,3 +97,8 @@ def test_all_finite_finds_any_nan_or_inf(dtype, n, bad, data):
     if bad is not None:
         x[data.draw(st.integers(0, n - 1))] = bad
     assert all_finite(x) == (bad is None) == bool(np.isfinite(x).all())
+    copy = np.full_like(x, 7)
+    assert copy_all_finite(copy, x) == (bad is None)  # the same verdict from the copy's own pass
+    assert copy.tobytes() == x.tobytes()
+    with pytest.raises(ValueError, match="alike arrays"):
+        copy_all_finite(copy[1:], x)

@@ -243,7 +243,7 @@ class Allreducer:
         return self._buffer
 
     def allreduce(self, grad: Any, out: Any = None, state: Optional[Residual] = None,
-                  density: Optional[float] = None) -> Any:
+                  density: Optional[float] = None, finite: Optional[bool] = None) -> Any:
         """The sum (or mean) of ``grad`` over all ranks: a new array, or ``out``
         when given (``out=grad`` reduces in place and saves an allocation).
 
@@ -259,6 +259,12 @@ class Allreducer:
         schedule, as optax's ``inject_hyperparams`` changes a learning rate),
         at most ``max_density``; every rank must ask for the same.
 
+        ``finite``: whether this rank's ``grad`` holds no NaN or Inf, where the
+        caller has just found out in a pass it made anyway (the torch
+        optimizer, copying gradients into a bucket: ``kernels.copy_all_finite``);
+        the call then makes no pass of its own to check. A wrong True lets a
+        NaN into the residual. None (the default): the call checks.
+
         Every rank gets identical bits. A gradient refused on any rank raises
         GradientError on every rank, a state or a density ConfigError, and the
         residuals stay as they were.
@@ -269,15 +275,16 @@ class Allreducer:
         conservation holds for the float32 result.
         """
         if self._kernels in _COMPILED:
-            return self._allreduce(grad, out, state, density)
+            return self._allreduce(grad, out, state, density, finite)
         # Each rank compiles the kernels on its own clock: the others' waits are long for a reason.
         with waiting.watched(f"the first {self.name} allreduce, which compiles its kernels", self.topology.world,
                              patient=True):
-            result = self._allreduce(grad, out, state, density)
+            result = self._allreduce(grad, out, state, density, finite)
         _COMPILED.add(self._kernels)
         return result
 
-    def _allreduce(self, grad: Any, out: Any, state: Optional[Residual], density: Optional[float]) -> Any:
+    def _allreduce(self, grad: Any, out: Any, state: Optional[Residual], density: Optional[float],
+                   finite: Optional[bool]) -> Any:
         """``allreduce`` itself."""
         self.last = self._fresh_ledger()
         start = self.memory.now()
@@ -285,7 +292,7 @@ class Allreducer:
         grad, back = self.memory.adopt(given_grad)
         if given_out is not None:
             out = grad if given_out is given_grad else self.memory.adopt(given_out)[0]
-        self._check(grad, out, given_out is not None, state, self.density if density is None else density)
+        self._check(grad, out, given_out is not None, state, self.density if density is None else density, finite)
         self.last["t_check"] = self.memory.now() - start
         held = self.feedback.state
         if state is not None:
@@ -401,11 +408,12 @@ class Allreducer:
             return self.last
         return ledger
 
-    def _check(self, grad: Any, out: Any, out_given: bool, state: Optional[Residual], density: Any) -> None:
+    def _check(self, grad: Any, out: Any, out_given: bool, state: Optional[Residual], density: Any,
+               finite: Optional[bool]) -> None:
         """Gather every rank's verdict on its (adopted) gradient, ``out``,
         ``state`` and ``density``, with the density itself (the ranks must
         agree on it: their messages are sized by it); raise alike on all ranks."""
-        self._code[0] = problems_of(grad, out, self.size, self.grad_dtype, self.memory)
+        self._code[0] = problems_of(grad, out, self.size, self.grad_dtype, self.memory, finite)
         if out_given and out is None:  # given, but not an array of this memory
             self._code[0] |= BAD_OUT
         if state is not None and not self.feedback.fits(state, self.memory):

@@ -95,9 +95,11 @@ def density_fits(density: Any, most: float) -> bool:
     return not isinstance(density, bool) and isinstance(density, (int, float, np.floating)) and 0 < density <= most
 
 
-def problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMemory) -> int:
+def problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMemory,
+                finite: Optional[bool] = None) -> int:
     """The problems of a gradient and ``out`` already adopted by ``memory`` (None
-    where that failed), as bits of ``PROBLEMS``."""
+    where that failed), as bits of ``PROBLEMS``; ``finite``: whether the
+    gradient holds no NaN or Inf, where the caller knows (else a pass finds out)."""
     if grad is None:
         return 1
     code = 0
@@ -114,7 +116,7 @@ def problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMem
         code |= 8
     if not grad.flags.c_contiguous:
         code |= 16
-    if code == 0 and not memory.all_finite(grad):
+    if code == 0 and not (memory.all_finite(grad) if finite is None else finite):
         code |= NON_FINITE
     return code
 
