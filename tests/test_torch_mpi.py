@@ -20,6 +20,7 @@ from spar_comm import ConfigError, NonFiniteGradientError, Topology  # noqa: E40
 from spar_comm.costmodel import gbps_to_beta, probe  # noqa: E402
 from spar_comm.costmodel.auto import ENV_CALIBRATION  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
+from spar_comm.kernels import passes  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
@@ -483,7 +484,11 @@ def test_a_different_model_on_one_rank_is_refused_on_every_rank(topology, case):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_nan_on_one_rank_is_a_nan_mean_on_every_rank_and_leaves_the_residuals(topology):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_nan_on_one_rank_is_a_nan_mean_on_every_rank_and_leaves_the_residuals(topology, set_to_none):
+    """Found where the gradients are copied into their buckets (``set_to_none``:
+    backward writes fresh ones), or by the allreducer's own pass where they
+    accumulate in the buckets already."""
     model = Controlled()
     opt = wrap(model, topology, algorithm="hitopk", density=0.2)
     model.backward_with(rank_grads(2, 0)[COMM.rank])
@@ -492,8 +497,11 @@ def test_a_nan_on_one_rank_is_a_nan_mean_on_every_rank_and_leaves_the_residuals(
     grads = rank_grads(2, 1)
     if COMM.rank == 0:
         grads[0][1][0] = np.nan
-    opt.zero_grad()
-    model.backward_with(grads[COMM.rank])  # the gradients are reduced when backward returns
+    opt.zero_grad(set_to_none=set_to_none)
+    with passes.counting() as books:
+        model.backward_with(grads[COMM.rank])  # the gradients are reduced when backward returns
+    checks = {name for name, _, _ in books} & {"copy", "finite"}
+    assert_all(COMM, checks == {"copy" if set_to_none else "finite"}, f"the checks made: {checks}")
     for bucket, residual, was in zip(opt.buckets, residuals_of(opt), kept):
         poisoned = any(p is model.ps[1] for p in bucket.params)
         nan = [bool(torch.isnan(p.grad).all()) for p in bucket.params]

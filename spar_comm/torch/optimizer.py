@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import waiting
+from .. import kernels, waiting
 from ..collectives import AUTO
 from ..costmodel import auto
 from ..consensus import raise_if_any
@@ -56,7 +56,7 @@ from ..topology import Topology
 from .backward_end import EndOfBackward
 from .comm_thread import CommThread
 from .state import OTHER_WORLD, agree, own_residuals, rank_key
-from .streams import NoStreams, as_tensor, streams_for, tensor_device
+from .streams import NoStreams, as_array, as_tensor, streams_for, tensor_device
 from .world import check_size, job_comm, launched, require_job_world
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "local_device", "rank",
@@ -143,14 +143,12 @@ class _Bucket:
         self.times["start"] = time.perf_counter()
         self.done = True
         with streams.communicating(self.produced):
-            for view, p in zip(self.views, self.params):
-                if p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
+            finite = self.gather()
             if keep:
                 self.kept = self.reducer.feedback.residual.copy()
             try:
                 self.reducer.allreduce(self.reducer.buffer, out=self.reducer.buffer,
-                                       density=density if self.reducer.sparse else None)
+                                       density=density if self.reducer.sparse else None, finite=finite)
             except NonFiniteGradientError:  # raised on every rank alike
                 self.overflowed = True
                 if non_finite == "raise":
@@ -160,6 +158,26 @@ class _Bucket:
                 p.grad = view
             self.finished = streams.finished()
         self.times["end"] = time.perf_counter()
+
+
+    def gather(self) -> Optional[bool]:
+        """Copy each gradient into its view of the buffer, and say whether they
+        hold no NaN or Inf where the copies found out (host tensors alike in
+        dtype and layout: the check rides on the copy's pass, and the
+        allreducer makes none of its own); None where any gradient went
+        unread (already its view) or by torch's copy."""
+        checked, finite = True, True
+        for view, p in zip(self.views, self.params):
+            grad = p.grad.detach()
+            if grad.data_ptr() == view.data_ptr():
+                checked = False
+            elif (self.reducer.memory.in_host_memory and not grad.is_cuda and grad.is_contiguous()
+                  and grad.dtype == view.dtype):
+                finite &= kernels.copy_all_finite(as_array(view), as_array(grad))
+            else:
+                view.copy_(grad)
+                checked = False
+        return False if not finite else (True if checked else None)
 
 
 class _DistributedOptimizer:
