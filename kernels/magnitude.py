@@ -16,10 +16,11 @@ from a view of the input costs no copy. For integers the key is ``|x|`` as an
 unsigned integer of the same width, which is exact even for the most negative
 value (whose two's-complement ``abs`` wraps to itself, i.e. ``2**(w-1)``).
 
-The hot loop over the full array is compiled with Numba: one branchy pass that
-writes candidate positions is about as fast as a plain reduction over memory,
-where NumPy needs three passes (``abs``, compare, ``flatnonzero``). Its twin
-``_sweep`` adds error feedback's fresh values in the same pass (``fused.py``).
+The hot loop over the full array is compiled with Numba: one pass that tests
+blocks of entries and writes the positions of the few blocks that reach the
+floor costs about one and a half plain reductions over memory, where NumPy
+needs three passes (``abs``, compare, ``flatnonzero``). Its twin ``_sweep``
+adds error feedback's fresh values in the same pass (``fused.py``).
 """
 from __future__ import annotations
 
@@ -100,28 +101,6 @@ def kth_key(keys: np.ndarray, k: int):
     return np.partition(keys, keys.size - k)[keys.size - k]
 
 
-@numba.njit(nogil=True, cache=True)
-def _scan(bits, mask, floor, positions, keys):  # pragma: no cover - compiled
-    """Write each position with key ``bits & mask >= floor``, and its key; return how many.
-
-    Keeps counting past the end of the output so that the caller can size a
-    retry. Arithmetic is in int64 (float keys never use the top bit), so no
-    signed/unsigned promotion to float can slow the loop. A plain branch beats
-    branch-free and block-skipping forms here: at the densities of interest
-    it is well predicted.
-    """
-    count = 0
-    capacity = positions.size
-    for i in range(bits.size):
-        key = np.int64(bits[i]) & mask
-        if key >= floor:
-            if count < capacity:
-                positions[count] = i
-                keys[count] = key
-            count += 1
-    return count
-
-
 #: Entries a sweep adds and tests at once: small enough that at density 0.001
 #: most blocks hold no candidate and are passed over once added.
 BLOCK = 64
@@ -155,6 +134,48 @@ def _sweep(values, bits, fresh, widen, zero, mask, floor, least, positions, keys
         if reached:
             count = _collect(bits, start, stop, mask, floor, positions, keys, count)
     return count
+
+
+@numba.njit(nogil=True, cache=True)
+def _scan(values, bits, mask, floor, least, positions, keys):  # pragma: no cover - compiled
+    """Write each position with key ``bits & mask >= floor``, and its key; return how many.
+
+    Keeps counting past the end of the output so that the caller can size a
+    retry. Block by block, as ``_sweep``: a block's magnitudes are compared
+    with ``least`` as floats, which vectorises, and only a block that reaches
+    it is searched by key. ``values`` None (float16, which Numba cannot
+    load as a float): the block is tested on its keys, which also
+    vectorises. A branch per entry, the form before, took 2.1 to 2.3 reads
+    of the array, the block tests 1.5.
+    """
+    count = 0
+    for start in range(0, bits.size, BLOCK):
+        stop = min(start + BLOCK, bits.size)
+        if values is None:
+            reached = _keys_reach(bits[start:stop], mask, floor)
+        else:
+            reached = _reaches(values[start:stop], least)
+        if reached:
+            count = _collect(bits, start, stop, mask, floor, positions, keys, count)
+    return count
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _reaches(values, least):  # pragma: no cover - compiled
+    """Whether any magnitude is not below ``least`` (a NaN is not)."""
+    reached = False
+    for i in range(values.size):
+        reached |= not (abs(values[i]) < least)
+    return reached
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _keys_reach(bits, mask, floor):  # pragma: no cover - compiled
+    """Whether any key ``bits & mask`` is at least ``floor``."""
+    reached = False
+    for i in range(bits.size):
+        reached |= (bits[i] & mask) >= floor
+    return reached
 
 
 @numba.njit(nogil=True, cache=True)
@@ -261,13 +282,14 @@ def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fre
     if isinstance(fresh, np.ndarray) and fresh.dtype != x.dtype:
         widen = widening_table(fresh.dtype)
         fresh = fresh.view(np.uint16)
-    mask, least = layout.bits(layout.mask), np.array(floor, dtype=layout.bits).view(x.dtype)[()]
+    floats = layout.bits is not np.uint16  # Numba computes in float32 and float64, not float16
+    mask, least = layout.bits(layout.mask), np.array(floor, dtype=layout.bits).view(x.dtype)[()] if floats else 0.0
     size = min(x.size, max(expect, 1024))
     while True:
         positions = np.empty(size, dtype=np.int64)
         keys = np.empty(size, dtype=layout.bits)
         if fresh is None:
-            count = _scan(bits, layout.mask, floor, positions, keys)
+            count = _scan(x if floats else None, bits, mask, layout.bits(floor), least, positions, keys)
             passes.book("candidates", x.size)
         elif isinstance(fresh, tuple):
             count = _sweep_parts(x, bits, _typed_alike(fresh), mask, layout.bits(floor), least, positions, keys)
