@@ -275,6 +275,7 @@ def scan(x: np.ndarray, layout: FloatLayout, floor: int, expect: int, fresh: Fre
     ``expect`` sizes the output; a second pass, never adding again, runs only when it was too small.
     """
     bits = x.view(layout.bits)
+    floor = min(floor, layout.inf_key + 1)  # every NaN ties, whatever its payload: a NaN floor admits them all
     widen = None
     if clear and not (isinstance(fresh, np.ndarray) and fresh.dtype == x.dtype):
         raise ValueError(f"clear zeroes the {x.dtype} array it adds; got "

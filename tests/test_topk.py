@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from spar_comm.kernels import SELECTORS, make_selector, topk
+from spar_comm.kernels import SELECTORS, add_and_select, make_selector, topk
 from spar_comm.kernels.magnitude import SAMPLE
 from spar_comm.kernels.selection import exact_topk
 
@@ -136,6 +136,29 @@ def test_nan_and_inf_are_selected_first():
         np.testing.assert_array_equal(topk(x, 2, method), [1, 4])  # NaNs, lowest first
         np.testing.assert_array_equal(topk(x, 3, method), [1, 2, 4])  # then the first Inf
         np.testing.assert_array_equal(topk(x, 5, method), [1, 2, 4, 5, 6])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("k", [1, 100, 1000])
+def test_nans_of_every_payload_tie_on_the_sampled_path(dtype, k):
+    """A NaN's payload and sign are no part of its rank: the floor a sample of
+    NaNs gives must admit every NaN, or later ones displace the lowest."""
+    n = LARGE
+    x = np.random.default_rng(k).standard_normal(n).astype(dtype)
+    bits = np.dtype(dtype).itemsize * 8
+    unsigned = np.dtype(f"u{bits // 8}")
+    inf = np.array(np.inf, dtype).view(unsigned)
+    payloads = np.random.default_rng(0).integers(1, 1000, (n + 2) // 3).astype(unsigned)
+    x.view(unsigned)[::3] = inf | payloads  # a NaN every third entry, payloads high and low
+    with np.errstate(invalid="ignore"):  # widening a signalling NaN says so
+        want = contract_set(x, k)
+    for method in EXACT:
+        np.testing.assert_array_equal(topk(x, k, method), want, err_msg=method)
+    if dtype == np.float16:
+        return  # a residual is float32 or float64: the sweep below adds float16 widened
+    for method in ("mstopk", "threshold"):  # the same NaNs added by the sweep into a residual of zeros
+        picked = add_and_select(make_selector(method), np.zeros(n, dtype), x, k)
+        np.testing.assert_array_equal(picked, want, err_msg=f"{method}, in the sweep")
 
 
 def test_integer_magnitudes_are_exact_at_the_extremes():
