@@ -44,7 +44,6 @@ key array (one copy).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Optional
 
 import numba
@@ -66,17 +65,6 @@ def _full_stats(x: np.ndarray, keys: np.ndarray, finite_below: Optional[int]) ->
     return float(a.mean()), float(a.max())
 
 
-def _key_at_least(t: float, dtype: np.dtype, top_key: int) -> int:
-    """The key of the smallest magnitude representable in ``dtype`` that is ``>= t``."""
-    layout = float_layout(dtype)
-    if layout is None:
-        return min(math.ceil(t), top_key)
-    v = np.array(t, dtype=dtype)
-    if float(v) < t:
-        v = np.nextafter(v, np.array(np.inf, dtype=dtype))
-    return int(v.view(layout.bits))
-
-
 @functools.lru_cache(maxsize=None)
 def _rounding(dtype: np.dtype) -> tuple[int, np.ndarray]:
     """How ``_bisect`` rounds a threshold up to ``dtype`` (the ``kind`` it
@@ -93,10 +81,11 @@ def _rounding(dtype: np.dtype) -> tuple[int, np.ndarray]:
 
 @numba.njit(nogil=True, cache=True)
 def _threshold_key(t, kind, table, top_key):  # pragma: no cover - compiled
-    """``_key_at_least`` compiled: the key of the smallest magnitude of the
-    dtype ``>= t`` (``t >= 0``), as an unsigned 64-bit integer."""
-    if kind == 0:
-        return min(np.uint64(np.ceil(t)), top_key)
+    """The key of the smallest magnitude of the dtype ``>= t`` (``t >= 0``),
+    as an unsigned 64-bit integer: ``t`` rounded up to the dtype, as real
+    arithmetic means ``|x| >= t``; for integers, at most ``top_key``."""
+    if kind == 0:  # integer magnitudes; a t past uint64's range (rounded up to 2**64) is the top
+        return top_key if t >= 18446744073709551616.0 else min(np.uint64(np.ceil(t)), top_key)
     if kind == 16:
         return np.uint64(np.searchsorted(table, t))
     if kind == 32:
@@ -156,10 +145,9 @@ def mstopk_select(x: np.ndarray, k: int, N: int = 30) -> tuple[np.ndarray, Optio
     else:
         mean, top = finite_stats(x, layout)
         positions, keys = candidates_from(x, layout, k, sample_floors(x, layout, k))
-    top_key = _key_at_least(top, x.dtype, int(keys.max()))
-
     kind, table = _rounding(x.dtype)
-    thres1, k1, thres2, k2 = _bisect(keys, k, N, mean, top, kind, table, np.uint64(top_key))
+    top_key = np.uint64(_threshold_key(top, kind, table, np.uint64(keys.max())))  # typed again: a uint64
+    thres1, k1, thres2, k2 = _bisect(keys, k, N, mean, top, kind, table, top_key)
 
     chosen = np.zeros(keys.size, dtype=bool) if k1 == 0 else keys >= keys.dtype.type(thres1)
     if k1 < k:  # the band lies below thres1, so its k-th pick is the smallest selected key
