@@ -102,3 +102,8 @@ def test_all_finite_finds_any_nan_or_inf(dtype, n, bad, data):
     assert copy.tobytes() == x.tobytes()
     with pytest.raises(ValueError, match="alike arrays"):
         copy_all_finite(copy[1:], x)
+    read_only = np.empty_like(x)
+    read_only.flags.writeable = False
+    for refused in [read_only] + ([np.empty(2 * n, dtype)[::2]] if n > 1 else []):  # strided: a copy written
+        with pytest.raises(ValueError, match="contiguous, writable"):
+            copy_all_finite(refused, x)
