@@ -13,8 +13,9 @@ in reverse registration order (the order in which backward produces them, as
 in DDP), each bucket with its own allreducer, so ``algorithm="auto"`` chooses
 per bucket. A bucket's allreduce starts on a communication thread as soon as
 its last gradient has been accumulated (``register_post_accumulate_grad_hook``)
-while backward goes on; its gradients are copied into it and checked for NaN
-and Inf in the same pass, so the allreducer makes no check pass of its own. Buckets start in index order on every rank whatever
+while backward goes on. On the CPU with torch on one thread, its gradients
+are copied into it and checked for NaN and Inf in the same pass, so the
+allreducer makes no check pass of its own. Buckets start in index order on every rank whatever
 order their gradients arrive in, so the collectives of all ranks match. Each
 parameter's ``.grad`` then becomes a view of its bucket's result (DDP's
 ``gradient_as_bucket_view``), valid until the next step reduces that bucket.
@@ -163,17 +164,19 @@ class _Bucket:
 
     def gather(self) -> Optional[bool]:
         """Copy each gradient into its view of the buffer, and say whether they
-        hold no NaN or Inf where the copies found out (host tensors alike in
-        dtype and layout: the check rides on the copy's pass, and the
-        allreducer makes none of its own); None where any gradient went
-        unread (already its view) or by torch's copy."""
+        hold no NaN or Inf where the copies found out: the check rides on the
+        copy's pass, and the allreducer makes none of its own. That takes
+        host tensors alike in dtype and layout, and torch on one thread (a
+        copy on one thread is no match for torch's copy on several plus a
+        check). None where any gradient went unread (already its view) or
+        went by torch's copy: the allreducer checks."""
         checked, finite = True, True
+        fused = self.reducer.memory.in_host_memory and torch.get_num_threads() == 1
         for view, p in zip(self.views, self.params):
             grad = p.grad.detach()
             if grad.data_ptr() == view.data_ptr():
                 checked = False
-            elif (self.reducer.memory.in_host_memory and not grad.is_cuda and grad.is_contiguous()
-                  and grad.dtype == view.dtype):
+            elif fused and grad.device.type == "cpu" and grad.is_contiguous() and grad.dtype == view.dtype:
                 finite &= kernels.copy_all_finite(as_array(view), as_array(grad))
             else:
                 view.copy_(grad)
