@@ -9,7 +9,8 @@ data, it times as the median of --repeat runs after one warm-up run:
   ``cupy.argpartition`` (a full sort at these k) on the GPU, and
   ``torch.topk`` of ``|x|`` on either when torch can be imported;
 * the floor: one read of the same data (``x.max()``, on the CPU or reduced
-  on the GPU): the "x floor" column counts a method in reads.
+  on the GPU): the "x floor" column counts a method in reads (NumPy does
+  not vectorise float16's, so on the CPU a float16 floor is slower than a read).
 
 ``--device gpu`` runs the device kernels (``kernels.device_select``) on CuPy
 arrays, timed by CUDA events; ``--device gpu-simulator`` runs the same
