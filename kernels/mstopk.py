@@ -27,8 +27,8 @@ What ours changes, and why:
   step cost about as much again in calls and allocations). Above the floor
   these are the true counts; below it the true count is at least the
   candidate count ``>= k``, which can move the bisection only where the band
-  then holds the same top-k set. The
-  mean and maximum are the true ones over all of x, from one vectorised pass.
+  then holds the same top-k set. The mean and maximum are the true ones over
+  all of x, from one vectorised pass.
 * **Counting is ``|x| >= t``** with ``t`` rounded up to the input's dtype, as
   real arithmetic means it (some copies are off by one here).
 * **NaN and Inf.** The bisection range is the mean and maximum of the
