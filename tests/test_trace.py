@@ -60,6 +60,7 @@ def test_trace_holds_every_dataset_and_attribute_of_the_design(traces):
         assert (inside <= phases["step"] * 1.001 + 1e-6).all()
 
 
+@pytest.mark.slow  # the traces come from two train.py runs of 4 ranks (8 s)
 def test_a_resumed_trace_drops_the_rows_past_the_checkpoint(traces, tmp_path):
     copy = tmp_path / "copy.h5"
     copy.write_bytes(traces[0].read_bytes())
@@ -69,6 +70,7 @@ def test_a_resumed_trace_drops_the_rows_past_the_checkpoint(traces, tmp_path):
     assert (trace.data["eval/step"] <= 10).all()
 
 
+@pytest.mark.slow  # the traces come from two train.py runs of 4 ranks (8 s)
 def test_a_trace_whose_writer_died_can_be_resumed(traces, tmp_path):
     copy = tmp_path / "crashed.h5"
     copy.write_bytes(traces[0].read_bytes())
@@ -93,6 +95,7 @@ def analyze(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "drivers/analyze.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # the traces come from two train.py runs of 4 ranks (8 s)
 def test_analyze_prints_the_breakdown_and_the_comparison(traces):
     result = analyze(*map(str, traces))
     assert result.returncode == 0, result.stderr
@@ -117,6 +120,7 @@ def test_analyze_writes_json_png_and_chrome_events(traces, tmp_path):
     assert len({(e["pid"], e["tid"]) for e in spans}) == 4 * 8  # a track per rank and phase
 
 
+@pytest.mark.slow  # the traces come from two train.py runs of 4 ranks (8 s)
 def test_analyze_follow_ends_when_the_run_is_complete(traces):
     result = analyze(str(traces[0]), "--follow", "--interval", "0.1")
     assert result.returncode == 0 and f"step {STEPS}/{STEPS}" in result.stdout
