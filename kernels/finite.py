@@ -71,10 +71,10 @@ def all_finite(x: np.ndarray) -> bool:
 
 def copy_all_finite(destination: np.ndarray, source: np.ndarray) -> bool:
     """``destination[...] = source`` (contiguous arrays of one dtype and size
-    that do not overlap),
-    and whether no entry is NaN or Inf: the check rides on the copy's pass,
-    which costs what the copy alone does, where a check after it reads the
-    array again (a gradient gathered into its bucket, then allreduced)."""
+    that do not overlap), and whether no entry is NaN or Inf: the check
+    rides on the copy's pass, which costs what the copy alone does, where a
+    check after it reads the array again (a gradient gathered into its
+    bucket, then allreduced)."""
     if destination.dtype != source.dtype or destination.size != source.size:
         raise ValueError(f"copy_all_finite copies alike arrays: {source.dtype}[{source.size}] into "
                          f"{destination.dtype}[{destination.size}]")

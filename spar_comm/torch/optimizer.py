@@ -15,8 +15,9 @@ per bucket. A bucket's allreduce starts on a communication thread as soon as
 its last gradient has been accumulated (``register_post_accumulate_grad_hook``)
 while backward goes on. On the CPU with torch on one thread, its gradients
 are copied into it and checked for NaN and Inf in the same pass, so the
-allreducer makes no check pass of its own. Buckets start in index order on every rank whatever
-order their gradients arrive in, so the collectives of all ranks match. Each
+allreducer makes no check pass of its own. Buckets start in index order on
+every rank whatever order their gradients arrive in, so the collectives of
+all ranks match. Each
 parameter's ``.grad`` then becomes a view of its bucket's result (DDP's
 ``gradient_as_bucket_view``), valid until the next step reduces that bucket.
 As in DDP, ``backward()`` returns only once the buckets it started are
