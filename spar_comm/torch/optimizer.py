@@ -17,9 +17,9 @@ while backward goes on. On the CPU with torch on one thread, its gradients
 are copied into it and checked for NaN and Inf in the same pass, so the
 allreducer makes no check pass of its own. Buckets start in index order on
 every rank whatever order their gradients arrive in, so the collectives of
-all ranks match. Each
-parameter's ``.grad`` then becomes a view of its bucket's result (DDP's
-``gradient_as_bucket_view``), valid until the next step reduces that bucket.
+all ranks match. Each parameter's ``.grad`` then becomes a view of its
+bucket's result (DDP's ``gradient_as_bucket_view``), valid until the next
+step reduces that bucket.
 As in DDP, ``backward()`` returns only once the buckets it started are
 reduced (an autograd callback at its end), so ``GradScaler`` and gradient clipping read
 the mean, the same on every rank. A NaN or Inf on any rank makes the mean NaN
