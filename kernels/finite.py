@@ -25,48 +25,41 @@ _EXPONENT = {
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc"})
-def _sum_of_zeros(x: np.ndarray, zero) -> float:
+def _sum_of_zeros(x: np.ndarray, zero, into) -> float:
+    """The sum of ``x * zero``; ``into`` (None: no copy) gets ``x`` in the same pass."""
     total = zero
     for i in range(x.size):
-        total += x[i] * zero
-    return total
-
-
-@numba.njit(nogil=True, cache=True, fastmath={"reassoc"})
-def _copy_sum_of_zeros(destination: np.ndarray, source: np.ndarray, zero) -> float:
-    total = zero
-    for i in range(source.size):
-        x = source[i]
-        destination[i] = x
-        total += x * zero
+        value = x[i]
+        if into is not None:  # decided when Numba compiles, not in the loop
+            into[i] = value
+        total += value * zero
     return total
 
 
 @numba.njit(nogil=True, cache=True)
-def _largest_exponent(bits: np.ndarray, mask) -> int:
+def _largest_exponent(bits: np.ndarray, mask, into) -> int:
+    """The largest ``bits & mask``; ``into`` (None: no copy) gets ``bits`` in the same pass."""
     largest = bits.dtype.type(0)
     for i in range(bits.size):
+        if into is not None:
+            into[i] = bits[i]
         largest = max(largest, bits[i] & mask)
     return largest
 
 
-@numba.njit(nogil=True, cache=True)
-def _copy_largest_exponent(destination: np.ndarray, bits: np.ndarray, mask) -> int:
-    largest = bits.dtype.type(0)
-    for i in range(bits.size):
-        destination[i] = bits[i]
-        largest = max(largest, bits[i] & mask)
-    return largest
+def _finite(flat: np.ndarray, into) -> bool:
+    """No NaN or Inf in the flat array ``flat``, copied into ``into`` on the way unless None."""
+    if flat.dtype in _EXPONENT:
+        unsigned, mask = _EXPONENT[flat.dtype]
+        copy = None if into is None else into.view(unsigned)
+        return bool(_largest_exponent(flat.view(unsigned), unsigned(mask), copy) != mask)
+    return bool(_sum_of_zeros(flat, flat.dtype.type(0), into) == 0)
 
 
 def all_finite(x: np.ndarray) -> bool:
     """True when no entry of the contiguous float array ``x`` is NaN or Inf."""
     passes.book("finite", x.size)
-    flat = x.reshape(-1)
-    if x.dtype in _EXPONENT:
-        unsigned, mask = _EXPONENT[x.dtype]
-        return bool(_largest_exponent(flat.view(unsigned), unsigned(mask)) != mask)
-    return bool(_sum_of_zeros(flat, x.dtype.type(0)) == 0)
+    return _finite(x.reshape(-1), None)
 
 
 def copy_all_finite(destination: np.ndarray, source: np.ndarray) -> bool:
@@ -81,8 +74,4 @@ def copy_all_finite(destination: np.ndarray, source: np.ndarray) -> bool:
     if not (destination.flags.c_contiguous and destination.flags.writeable and source.flags.c_contiguous):
         raise ValueError("copy_all_finite copies a contiguous array into a contiguous, writable one")
     passes.book("copy", source.size, source.size)
-    into, flat = destination.reshape(-1), source.reshape(-1)
-    if source.dtype in _EXPONENT:
-        unsigned, mask = _EXPONENT[source.dtype]
-        return bool(_copy_largest_exponent(into.view(unsigned), flat.view(unsigned), unsigned(mask)) != mask)
-    return bool(_copy_sum_of_zeros(into, flat, source.dtype.type(0)) == 0)
+    return _finite(source.reshape(-1), destination.reshape(-1))
