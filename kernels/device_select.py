@@ -4,14 +4,15 @@ The contract is the one of ``selection.py``: ``min(k, n)`` unique ascending
 positions of the largest magnitude keys (``magnitude.py``: |x| by its bit
 pattern, every NaN one key above Inf), ties to the lowest positions. Every
 method finds the k-th largest key and writes the same set, so all give the
-CPU methods' bits for the same input. They differ in the floor their one
+CPU methods' bits for the same input. They differ in the floor their
 gather starts from (``select_plan.py`` has the steps):
 
 * ``exact``: none; a radix select over the whole array (a read a byte of key).
 * ``mstopk``: the paper's bisection of the threshold between the mean and the
   largest magnitude, on the keys, 255 thresholds a pass (8 halving steps a
-  pass: its N = 30 steps take 4 passes). Keys rather than values: they are
-  monotone in the magnitude and 31 halvings end on one key.
+  pass: its N = 30 steps take 4 passes), the first over the array and the
+  others over the keys it keeps. Keys rather than values: they are monotone
+  in the magnitude and 31 halvings end on one key.
 * ``threshold``: a strided sample's radix select, with a margin of four
   standard deviations.
 * ``threshold_warm``: the last call's k-th magnitude times a margin, which
@@ -68,6 +69,9 @@ class DeviceSelector:
     ``threshold`` is the last k-th magnitude, a read from the device made only
     when asked for (traces)."""
 
+    #: Whether the workspace keeps the bisection's candidates (``Workspace.bisect``).
+    bisects = False
+
     def __init__(self) -> None:
         self.workspace: Optional[Workspace] = None
         self.calls = 0
@@ -76,7 +80,7 @@ class DeviceSelector:
         """This call's workspace: the last one, or a new one that keeps its warm start."""
         old = self.workspace
         if old is None or not old.fits(x.size, x.dtype, k) or old.xp is not namespace(x):
-            self.workspace = Workspace(kernels_for(x), x.size, x.dtype, k)
+            self.workspace = Workspace(kernels_for(x), x.size, x.dtype, k, self.bisects)
             if old is not None and old.xp is namespace(x):
                 self.workspace.keep_warm_start(old)
             else:
@@ -125,13 +129,15 @@ class MSTopK(DeviceSelector):
     magnitude, on the keys, 255 thresholds a pass (N halving steps in all); then
     a gather at the floor it ends on and the exact pick."""
 
+    bisects = True
+
     def __init__(self, N: int = 30) -> None:
         super().__init__()
         self.passes = math.ceil(checked_steps(N) / math.log2(FLOORS + 1))
 
     def _select(self, workspace: Workspace, bits: Any) -> Any:
         workspace.bisect(bits, self.passes)
-        positions = workspace.from_floor(bits)
+        positions = workspace.pick(bits)
         workspace.settle(adapt=False)
         return positions
 

@@ -21,7 +21,8 @@
 enum Slot {
     FLOOR,        // the gather takes every key at or above it
     COUNT,        // how many keys the gather admitted (also past its room)
-    SOURCE,       // 1: the radix select and the marking read the candidates; 0: the whole array
+    SOURCE,       // 1: the radix select and the marking (before them, the bisection's
+                  // later passes) read the candidates; 0: the whole array
     CANDIDATES,   // how many candidates they read
     PREFIX,       // the radix select's prefix; after its last pass, the k-th largest key
     PREFIX_MASK,  // the bits of the prefix chosen so far
@@ -85,7 +86,7 @@ __device__ __forceinline__ unsigned long long block_scan(unsigned long long v, u
     return mine;
 }
 
-// One thread: a slot cleared (the gather's count, before the gather).
+// One thread: a slot cleared (a gather's count before it, the source, the largest key).
 __global__ void clear_slot(unsigned long long* state, int slot) { state[slot] = 0ULL; }
 
 // One thread: the floor from another slot (the sample's radix select), or a value when slot < 0.
@@ -157,7 +158,9 @@ __global__ void gather_at_least(const Bits* __restrict__ bits, long long n, Key 
 
 // One thread: start a radix select of the k-th largest key, over the
 // candidates if there are at least k of them and all were kept (`given`: how
-// many; < 0 for the gather's COUNT), else over the whole array.
+// many; < 0 for the gather's COUNT), else over the whole array. The
+// bisection's later passes choose what they count over by the same rule,
+// with a k of 0: the candidates whenever all were kept.
 __global__ void begin_radix(unsigned long long* state, unsigned long long k, unsigned long long capacity,
                             long long given) {
     unsigned long long m = given >= 0 ? static_cast<unsigned long long>(given) : state[COUNT];
@@ -356,90 +359,150 @@ __global__ void sample_keys(const Bits* __restrict__ bits, Key mask, Key nan_key
         keys[i] = magnitude_key<Bits, Key>(bits[i * stride], mask, nan_key);
 }
 
-// The sum of the finite magnitudes and how many entries are finite, in one
-// read (stats, cleared before).
+// The sum of the finite magnitudes and how many entries are finite (stats,
+// cleared before), and the largest finite key (into HI, cleared before), in
+// one read.
 template <typename Bits, typename Key>
-__global__ void finite_stats(const Bits* __restrict__ bits, long long n, Key mask, Key inf_key, double* stats) {
+__global__ void finite_stats(const Bits* __restrict__ bits, long long n, Key mask, Key inf_key, double* stats,
+                             unsigned long long* state) {
     double sum = 0.0;
-    unsigned long long count = 0;
+    unsigned long long count = 0, top = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         Bits b = bits[i];
-        if ((static_cast<Key>(b) & mask) < inf_key) {
+        unsigned long long key = static_cast<Key>(b) & mask;
+        if (key < inf_key) {
             sum += magnitude_of(b);
             count += 1;
+            top = key > top ? key : top;
         }
     }
     for (int d = 16; d > 0; d >>= 1) {
         sum += __shfl_down_sync(FULL_WARP, sum, d);
         count += __shfl_down_sync(FULL_WARP, count, d);
+        unsigned long long other = __shfl_down_sync(FULL_WARP, top, d);
+        top = other > top ? other : top;
     }
     if ((threadIdx.x & 31u) == 0u) {
         atomicAdd(stats, sum);
         atomicAdd(stats + 1, static_cast<double>(count));  // exact below 2^53 entries
+        atomicMax(state + HI, top);
     }
 }
 
-// One thread: the bisection's bracket, from the key of the mean finite
-// magnitude (0 when none is finite) to above every key.
+// One thread: the bisection's bracket, the paper's [mean, max]: from the key
+// of the mean finite magnitude (0 when none is finite) to just above the
+// largest finite key. NaN and Inf lie above every floor in it, and count at each.
+// A float64 mean of values that nearly all tie at the top can round above
+// the largest: LO is clamped to it, so that the bracket is never empty.
 template <typename Bits, typename Key>
-__global__ void mean_bracket(const double* stats, unsigned long long* state, Key inf_key, Key nan_key) {
-    state[LO] = stats[1] > 0.0 ? key_at_least<Bits, Key>(stats[0] / stats[1], inf_key) : Key(0);
-    state[HI] = static_cast<unsigned long long>(nan_key) + 1ULL;
+__global__ void mean_bracket(const double* stats, unsigned long long* state, Key inf_key) {
+    const unsigned long long top = state[HI];
+    const unsigned long long mean = stats[1] > 0.0 ? key_at_least<Bits, Key>(stats[0] / stats[1], inf_key) : Key(0);
+    state[LO] = mean < top ? mean : top;
+    state[HI] = top + 1ULL;
 }
 
-// counts[j] += #(key >= floors[j]) for the FLOORS ascending floors, in one read.
-// A key at or above the lowest floor finds its bucket [f[j], f[j+1]) by a
-// binary search and counts there in shared memory; the block adds the
-// buckets' suffix sums. Keys below the lowest floor, the most of them after
-// the first pass, cost one compare. (Counting the lowest buckets, where the
-// first pass puts most keys, in registers instead was slower on an H200.)
+// The bucket [f[j], f[j+1]) of a key at or above the lowest floor, by a
+// binary search, counted in shared memory.
+template <typename Key>
+__device__ __forceinline__ void count_in_bucket(Key key, const Key* f, unsigned* bucket) {
+    int j = 0;
+    for (int step = (FLOORS + 1) / 2; step > 0; step >>= 1)
+        if (j + step < FLOORS && f[j + step] <= key) j += step;
+    atomicAdd(bucket + j, 1u);
+}
+
+// counts[j] += #(key >= floors[j]) for the FLOORS ascending floors, in one
+// read of the candidates (when the state says so: the bisection's later
+// passes, whose floors all lie at or above the one the candidates were
+// gathered at) or of the array. A key at or above the lowest floor counts in
+// its bucket; the block adds the buckets' suffix sums. Keys below the lowest
+// floor, the most of them in the array, cost one compare. (Counting the
+// lowest buckets in registers instead was slower on an H200.)
 template <typename Bits, typename Key>
 __global__ void count_at_least(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
+                               const Key* __restrict__ keys, const unsigned long long* __restrict__ state,
                                const Key* __restrict__ floors, unsigned long long* __restrict__ counts) {
-    constexpr int Floors = FLOORS;
-    __shared__ Key f[Floors];
-    __shared__ unsigned bucket[Floors];
-    for (int j = threadIdx.x; j < Floors; j += blockDim.x) {
+    __shared__ Key f[FLOORS];
+    __shared__ unsigned bucket[FLOORS];
+    for (int j = threadIdx.x; j < FLOORS; j += blockDim.x) {
         f[j] = floors[j];
         bucket[j] = 0u;
     }
     __syncthreads();
     const Key lowest = f[0];
-    const long long tile = 4LL * blockDim.x;
-    for (long long start = blockIdx.x * tile; start < n; start += gridDim.x * tile) {
-        Bits b[4];
+    if (state[SOURCE] != 0ULL) {
+        const long long m = static_cast<long long>(state[CANDIDATES]);
+        const unsigned used = blocks_for(m);
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; blockIdx.x < used && i < m;
+             i += (long long)used * blockDim.x)
+            if (keys[i] >= lowest) count_in_bucket<Key>(keys[i], f, bucket);
+    } else {
+        const long long tile = 4LL * blockDim.x;
+        for (long long start = blockIdx.x * tile; start < n; start += gridDim.x * tile) {
+            Bits b[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            long long i = start + u * blockDim.x + threadIdx.x;
-            b[u] = i < n ? bits[i] : Bits(0);
-        }
+            for (int u = 0; u < 4; ++u) {
+                long long i = start + u * blockDim.x + threadIdx.x;
+                b[u] = i < n ? bits[i] : Bits(0);
+            }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            Key key = magnitude_key<Bits, Key>(b[u], mask, nan_key);
-            if (start + u * blockDim.x + threadIdx.x < n && key >= lowest) {
-                int j = 0;
-                for (int step = (Floors + 1) / 2; step > 0; step >>= 1)
-                    if (j + step < Floors && f[j + step] <= key) j += step;
-                atomicAdd(bucket + j, 1u);
+            for (int u = 0; u < 4; ++u) {
+                Key key = magnitude_key<Bits, Key>(b[u], mask, nan_key);
+                if (start + u * blockDim.x + threadIdx.x < n && key >= lowest) count_in_bucket<Key>(key, f, bucket);
             }
         }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned long long at_or_above = 0;
-        for (int j = Floors - 1; j >= 0; --j) {
+        for (int j = FLOORS - 1; j >= 0; --j) {
             at_or_above += bucket[j];
             if (at_or_above) atomicAdd(counts + j, at_or_above);
         }
     }
 }
 
+// Every key at or above the floor among the candidates (or, when they are
+// not all there, in the array), with its position, appended in any order to
+// keys_out and positions_out; COUNT (cleared before) ends with how many, also
+// past `capacity`. The bisection's last floor applied to what its first pass
+// gathered: a warp takes its slots with one atomic.
+// Requires blockDim.x a multiple of 32.
+template <typename Bits, typename Key>
+__global__ void regather(const Bits* __restrict__ bits, long long n, Key mask, Key nan_key,
+                         const Key* __restrict__ keys, const long long* __restrict__ positions,
+                         unsigned long long* state, Key* __restrict__ keys_out, long long* __restrict__ positions_out,
+                         unsigned long long capacity) {
+    const bool candidates = state[SOURCE] != 0ULL;
+    const long long m = candidates ? static_cast<long long>(state[CANDIDATES]) : n;
+    const Key floor = static_cast<Key>(state[FLOOR]);
+    const unsigned lane = threadIdx.x & 31u, below = (1u << lane) - 1u;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31u); base < m; base += stride) {
+        long long i = base + lane;  // every lane of a warp takes the same trips
+        Key key = i >= m ? Key(0) : candidates ? keys[i] : magnitude_key<Bits, Key>(bits[i], mask, nan_key);
+        bool take = i < m && key >= floor;
+        unsigned vote = __ballot_sync(FULL_WARP, take);
+        if (vote == 0u) continue;
+        unsigned long long first = 0ULL;
+        if (lane == 0u) first = atomicAdd(state + COUNT, static_cast<unsigned long long>(__popc(vote)));
+        first = __shfl_sync(FULL_WARP, first, 0);
+        unsigned long long mine = first + __popc(vote & below);
+        if (take && mine < capacity) {
+            keys_out[mine] = key;
+            positions_out[mine] = candidates ? positions[i] : i;
+        }
+    }
+}
+
 // One block of COMPACT_THREADS threads, a thread a floor. After a counting
 // pass (`narrow`): narrow the bracket [LO, HI) (LO: the highest floor that
-// keeps more than k keys; HI: the lowest that keeps at most k; the counts fall
-// as the floors rise, so the floors that keep more than k are a prefix). Then
-// spread the next pass's floors evenly inside it, clear the counts, and make
-// LO the floor.
+// keeps more than k keys; HI: the lowest that keeps at most k, or the top of
+// the bracket when none does; the counts fall as the floors rise, so the
+// floors that keep more than k are a prefix). Then spread the next pass's
+// floors evenly inside it, ascending and none below LO, clear the counts, and
+// make LO the floor.
 template <typename Key>
 __global__ void steer(unsigned long long* state, Key* floors, unsigned long long* counts, unsigned long long k,
                       int narrow) {

@@ -201,16 +201,19 @@ def sample_keys(bits, mask, nan_key, stride, m, keys):  # pragma: no cover - com
 
 
 @cuda.jit
-def count_at_least(bits, n, mask, nan_key, floors, counts):  # pragma: no cover - compiled
-    """counts[j] += #(key >= floors[j]): a key finds its bucket [f[j], f[j+1])
-    by binary search, and the block adds the buckets' suffix sums."""
+def count_at_least(bits, n, mask, nan_key, keys, state, floors, counts):  # pragma: no cover - compiled
+    """counts[j] += #(key >= floors[j]), over the candidates when the state
+    says so, else the array: a key finds its bucket [f[j], f[j+1]) by binary
+    search, and the block adds the buckets' suffix sums."""
     bucket = cuda.shared.array(FLOORS, dtype=np.uint64)
     t = cuda.threadIdx.x
     for j in range(t, FLOORS, cuda.blockDim.x):
         bucket[j] = U0
     cuda.syncthreads()
-    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
-        key = _key(bits[i], mask, nan_key)
+    candidates = state[SOURCE] != U0
+    m = np.int64(state[CANDIDATES]) if candidates else n
+    for i in range(cuda.grid(1), m, cuda.gridsize(1)):
+        key = np.uint64(keys[i] if candidates else _key(bits[i], mask, nan_key))
         if key >= floors[0]:
             j = 0
             step = (FLOORS + 1) // 2
@@ -226,6 +229,22 @@ def count_at_least(bits, n, mask, nan_key, floors, counts):  # pragma: no cover 
             at_or_above += bucket[j]
             if at_or_above:
                 cuda.atomic.add(counts, j, at_or_above)
+
+
+@cuda.jit
+def regather(bits, n, mask, nan_key, keys, positions, state, keys_out, positions_out, capacity):  # pragma: no cover - compiled
+    """Every key at or above the floor among the candidates (the array when
+    they are not all there), one slot at a time."""
+    candidates = state[SOURCE] != U0
+    m = np.int64(state[CANDIDATES]) if candidates else n
+    floor = state[FLOOR]
+    for i in range(cuda.grid(1), m, cuda.gridsize(1)):
+        key = np.uint64(keys[i] if candidates else _key(bits[i], mask, nan_key))
+        if key >= floor:
+            slot = cuda.atomic.add(state, COUNT, U1)
+            if slot < capacity:
+                keys_out[slot] = key
+                positions_out[slot] = positions[i] if candidates else np.int64(i)
 
 
 @cuda.jit
@@ -293,20 +312,23 @@ def _float_kernels(width: int) -> Dict[str, Any]:
         return lo
 
     @cuda.jit
-    def finite_stats(bits, n, mask, inf_key, stats):  # pragma: no cover - compiled
-        total, count = 0.0, 0.0
+    def finite_stats(bits, n, mask, inf_key, stats, state):  # pragma: no cover - compiled
+        total, count, top = 0.0, 0.0, U0
         for i in range(cuda.grid(1), n, cuda.gridsize(1)):
-            key = bits[i] & mask
+            key = np.uint64(bits[i] & mask)
             if key < inf_key:
                 total += magnitude_of(key)
                 count += 1.0
+                top = max(top, key)
         cuda.atomic.add(stats, 0, total)
         cuda.atomic.add(stats, 1, count)
+        cuda.atomic.max(state, HI, top)
 
     @cuda.jit
-    def mean_bracket(stats, state, inf_key, nan_key):  # pragma: no cover - compiled
-        state[LO] = key_at_least(stats[0] / stats[1], inf_key) if stats[1] > 0.0 else U0
-        state[HI] = np.uint64(nan_key) + U1
+    def mean_bracket(stats, state, inf_key):  # pragma: no cover - compiled
+        top = state[HI]
+        state[LO] = min(key_at_least(stats[0] / stats[1], inf_key) if stats[1] > 0.0 else U0, top)
+        state[HI] = top + U1
 
     @cuda.jit
     def warm_floor(state, margin, inf_key, nan_key):  # pragma: no cover - compiled
@@ -321,7 +343,7 @@ def _float_kernels(width: int) -> Dict[str, Any]:
 
 _COMMON = {name: globals()[name] for name in (
     "clear_slot", "set_floor", "gather_at_least", "begin_radix", "histogram", "choose_byte", "mark", "word_sums",
-    "scan_sums", "write_positions", "sample_keys", "count_at_least", "steer", "settle")}
+    "scan_sums", "write_positions", "sample_keys", "count_at_least", "regather", "steer", "settle")}
 
 
 class NumbaKernels:

@@ -17,7 +17,8 @@ The steps, each a kernel of ``select.cu`` (CuPy) or of its twin in
    select (``threshold``), or the last k-th key times a margin
    (``threshold_warm``); ``exact`` needs none;
 2. a gather of every key at or above the floor, with its position, in any
-   order (one read of the array);
+   order (one read of the array; the bisection gathers after its first pass
+   and counts its later passes, and takes its last floor, among those);
 3. a radix select of the k-th largest key T, a byte a pass, over the
    candidates (or the array);
 4. two bitmaps, of the positions above T and of those at T, compacted in
@@ -65,7 +66,7 @@ class Workspace:
     """The device buffers and state of selections of ``k`` from ``n`` entries
     of one float type, allocated once and reused call after call."""
 
-    def __init__(self, kernels: KernelSet, n: int, dtype: np.dtype, k: int):
+    def __init__(self, kernels: KernelSet, n: int, dtype: np.dtype, k: int, bisects: bool = False):
         layout = float_layout(dtype)
         if layout is None:
             raise TypeError(f"device top-k needs float16, float32 or float64, got {dtype}")
@@ -89,6 +90,9 @@ class Workspace:
         room = max(self.capacity, self.sampled)
         self.keys = xp.empty(room, dtype=self.key)
         self.positions = xp.empty(room, dtype=np.int64)
+        #: What the bisection's first pass keeps, which its later passes count over (``bisect``).
+        self.kept_keys = xp.empty(self.capacity if bisects else 0, dtype=self.key)
+        self.kept_positions = xp.empty(self.capacity if bisects else 0, dtype=np.int64)
         self.hist = xp.zeros(1 << RADIX_BITS, dtype=np.uint64)
         self.floors = xp.empty(FLOORS, dtype=self.key)
         self.counts = xp.zeros(FLOORS, dtype=np.uint64)
@@ -155,11 +159,15 @@ class Workspace:
                        np.int64(self.blocks), self.state, out)
         return out
 
-    def from_floor(self, bits: Any) -> Any:
-        """Gather at the floor, select among the candidates (or the array), compact."""
-        self.gather(bits)
+    def pick(self, bits: Any) -> Any:
+        """Select among the gathered candidates (or the array), compact."""
         self.radix(bits, self.k, self.capacity, -1)
         return self.compact(bits)
+
+    def from_floor(self, bits: Any) -> Any:
+        """Gather at the floor, then ``pick``."""
+        self.gather(bits)
+        return self.pick(bits)
 
     # -- where the floor comes from ----------------------------------------------------
     def exact(self, bits: Any) -> Any:
@@ -185,16 +193,37 @@ class Workspace:
         self._one("set_floor", "", self.state, np.int32(-1), np.uint64(key))
 
     def bisect(self, bits: Any, passes: int) -> None:
-        """The paper's bisection between the mean magnitude and the top, on the
-        keys, 255 floors a pass; the floor is the highest that keeps more than k."""
+        """The paper's bisection between the mean and the largest finite
+        magnitude, on the keys, 255 floors a pass; then a gather at the floor
+        it ends on, the highest that keeps more than k.
+
+        Only the first pass counts over the array. Every key at or above the
+        floor it leaves is gathered then, and the later passes, whose floors
+        all lie above, count those alone: the same counts, so the same
+        bisection, for the price of a read. When they did not all fit, the
+        later passes and the last gather read the array."""
+        count, source = np.int32(SLOT["count"]), np.int32(SLOT["source"])
+        kept = np.uint64(self.kept_keys.size)  # 0 in a workspace made without ``bisects``: the array, always
         self.stats.fill(0)
-        self._pass("finite_stats", bits, np.int64(self.n), self.mask, self.inf_key, self.stats)
-        self._one("mean_bracket", self.pair, self.stats, self.state, self.inf_key, self.nan_key)
+        self._one("clear_slot", "", self.state, np.int32(SLOT["hi"]))
+        self._pass("finite_stats", bits, np.int64(self.n), self.mask, self.inf_key, self.stats, self.state)
+        self._one("mean_bracket", self.pair, self.stats, self.state, self.inf_key)
         steer = ("steer", self.key_type, self.state, self.floors, self.counts, np.uint64(self.k))
         self._block(*steer, np.int32(0))
-        for _ in range(passes):
-            self._pass("count_at_least", bits, np.int64(self.n), self.mask, self.nan_key, self.floors, self.counts)
+        self._one("clear_slot", "", self.state, source)  # the first pass reads the array
+        for done in range(passes):
+            self._pass("count_at_least", bits, np.int64(self.n), self.mask, self.nan_key, self.kept_keys, self.state,
+                       self.floors, self.counts)
             self._block(*steer, np.int32(1))
+            if done == 0:
+                self._one("clear_slot", "", self.state, count)
+                self._pass("gather_at_least", bits, np.int64(self.n), self.mask, self.nan_key, self.state,
+                           self.kept_keys, self.kept_positions, kept)
+                # the candidates when all fitted, however few: the counts over them are the array's
+                self._one("begin_radix", "", self.state, np.uint64(0), kept, np.int64(-1))
+        self._one("clear_slot", "", self.state, count)
+        self._pass("regather", bits, np.int64(self.n), self.mask, self.nan_key, self.kept_keys, self.kept_positions,
+                   self.state, self.keys, self.positions, np.uint64(self.capacity))
 
     def warm_floor(self) -> None:
         """The last k-th magnitude times the margin, or no floor after a k-th
@@ -212,7 +241,7 @@ def kernel_names() -> list:
              "write_positions"}
     for bits, key in C_TYPES.values():
         names |= {f"{name}<{bits}, {key}>" for name in ("count_at_least", "finite_stats", "gather_at_least",
-                                                        "histogram", "mark", "mean_bracket", "sample_keys",
-                                                        "warm_floor")}
+                                                        "histogram", "mark", "mean_bracket", "regather",
+                                                        "sample_keys", "warm_floor")}
         names.add(f"steer<{key}>")
     return sorted(names)

@@ -15,7 +15,7 @@ device_select = pytest.importorskip("spar_comm.kernels.device_select", reason="n
 from spar_comm import kernels  # noqa: E402
 from spar_comm.kernels.selection import exact_topk  # noqa: E402
 
-from spar_comm.kernels.select_plan import Workspace  # noqa: E402
+from spar_comm.kernels.select_plan import SLOT, Workspace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_simulator")
 METHODS = sorted(device_select.METHODS)
@@ -206,3 +206,48 @@ def test_a_floor_that_admits_too_many_or_too_few_still_selects_exactly(dtype):
             got = workspace.from_floor(device_select.bits_of(device_x))
             got = got if CUPY is None else CUPY.asnumpy(got)
             assert got.tolist() == exact_topk(x, k).tolist(), (k, floor)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_bisection_counts_its_later_passes_among_what_its_first_keeps(dtype):
+    """``mstopk``'s passes after the first count the keys the first one
+    gathered where they all fitted (spread values), and the array where they
+    did not (a plateau of ties at the top, wider than the room of 2k + 1024) or
+    where the workspace keeps none: the same positions every way."""
+    rng = np.random.default_rng(11)
+    spread = rng.standard_normal(3 * TILE + 1100).astype(dtype)
+    spread[[9, 700]] = [np.nan, -np.inf]
+    plateau = spread.copy()
+    plateau[50:1250] = 8.0  # above every spread value
+    k = 5
+    for x, bisects, counted_among_them in ((spread, True, 1), (plateau, True, 0), (spread, False, 0)):
+        device_x = on_device(x)
+        bits = device_select.bits_of(device_x)
+        workspace = Workspace(device_select.kernels_for(device_x), x.size, x.dtype, k, bisects)
+        workspace.bisect(bits, 4)
+        source = int(workspace.state[SLOT["source"]])  # which the later passes read
+        got = workspace.pick(bits)
+        got = got if CUPY is None else CUPY.asnumpy(got)
+        assert (source, got.tolist()) == (counted_among_them, exact_topk(x, k).tolist()), (bisects, x[60])
+
+
+@pytest.mark.slow
+def test_a_mean_that_rounds_above_the_largest_value_leaves_the_bracket_whole():
+    """float64 sums of values that nearly all tie at the top can put their
+    mean a few ulps above the largest: the bracket's low end is clamped to the
+    largest key, so the bisection's floors stay ascending."""
+    x = np.full(2000, 0.9)
+    x[[3, 1500]] = [-0.9, np.nan]
+    device_x = on_device(x)
+    bits = device_select.bits_of(device_x)
+    workspace = Workspace(device_select.kernels_for(device_x), x.size, x.dtype, 7, bisects=True)
+    workspace._one("clear_slot", "", workspace.state, np.int32(SLOT["hi"]))
+    workspace.stats.fill(0)
+    workspace._pass("finite_stats", bits, np.int64(x.size), workspace.mask, workspace.inf_key, workspace.stats,
+                    workspace.state)
+    workspace._one("mean_bracket", workspace.pair, workspace.stats, workspace.state, workspace.inf_key)
+    lo, hi = int(workspace.state[SLOT["lo"]]), int(workspace.state[SLOT["hi"]])
+    top = int(np.float64(0.9).view(np.uint64))
+    assert lo <= top < hi == top + 1, (lo, hi, top)
+    check(x, 7, "mstopk")

@@ -24,7 +24,7 @@ def test_every_kernel_the_passes_launch_compiles(tmp_path):
     done = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-c", str(unit), "-o", str(tmp_path / "instances.o")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert len(names) == 8 + 3 * 8 + 2  # 8 plain kernels, 8 for each of 3 widths, steer for 2 key types
+    assert len(names) == 8 + 3 * 9 + 2  # 8 plain kernels, 9 for each of 3 widths, steer for 2 key types
 
 
 def test_the_state_slots_are_named_alike_on_both_sides():
