@@ -190,12 +190,19 @@ def job_rank() -> int:
 def end_job(message: str, status: int, comm: Optional[MPI.Comm] = None) -> None:
     """Say why on stderr (each line prefixed with the rank), run ``at_end``'s
     callbacks, remove the MPI shared-memory files this rank maps and end the
-    whole job with ``status``: MPI_Abort on ``comm`` (default the world), or
-    this process alone ``ABORT_GRACE_S`` later where the abort cannot reach
-    the launcher. Never returns; a second thread to call it waits for the end."""
+    whole job with ``status``: MPI_Abort on COMM_WORLD (``comm``: a
+    torch.distributed transport's own abort instead), or this process alone
+    ``ABORT_GRACE_S`` later where the abort cannot reach the launcher. MPICH
+    aborts COMM_WORLD through its launcher, which kills every process, and any
+    other communicator (a duplicate of the world too) by a message to its
+    ranks, which a rank stopped, or stuck outside MPI, never reads: aborting
+    the world's duplicate left a stopped rank running in 4 of 45 jobs of
+    test_faults' signal test. Never returns; a second thread to call it
+    waits for the end."""
     if not _ENDING.acquire(blocking=False):
         threading.Event().wait()
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm is None or isinstance(comm, MPI.Comm):
+        comm = MPI.COMM_WORLD
     prefix = f"[rank {job_rank()}] "
     sys.stderr.write("".join(prefix + line + "\n" for line in message.splitlines()))
     sys.stderr.flush()
