@@ -196,7 +196,7 @@ def end_job(message: str, status: int, comm: Optional[MPI.Comm] = None) -> None:
     aborts COMM_WORLD through its launcher, which kills every process, and any
     other communicator (a duplicate of the world too) by a message to its
     ranks, which a rank stopped, or stuck outside MPI, never reads: aborting
-    the world's duplicate left a stopped rank running in 4 of 45 jobs of
+    the world's duplicate left a stopped rank running in 4 of 69 jobs of
     test_faults' signal test. Never returns; a second thread to call it
     waits for the end."""
     if not _ENDING.acquire(blocking=False):
