@@ -204,10 +204,7 @@ class Workspace:
         later passes and the last gather read the array."""
         count, source = np.int32(SLOT["count"]), np.int32(SLOT["source"])
         kept = np.uint64(self.kept_keys.size)  # 0 in a workspace made without ``bisects``: the array, always
-        self.stats.fill(0)
-        self._one("clear_slot", "", self.state, np.int32(SLOT["hi"]))
-        self._pass("finite_stats", bits, np.int64(self.n), self.mask, self.inf_key, self.stats, self.state)
-        self._one("mean_bracket", self.pair, self.stats, self.state, self.inf_key)
+        self.bracket(bits)
         steer = ("steer", self.key_type, self.state, self.floors, self.counts, np.uint64(self.k))
         self._block(*steer, np.int32(0))
         self._one("clear_slot", "", self.state, source)  # the first pass reads the array
@@ -224,6 +221,14 @@ class Workspace:
         self._one("clear_slot", "", self.state, count)
         self._pass("regather", bits, np.int64(self.n), self.mask, self.nan_key, self.kept_keys, self.kept_positions,
                    self.state, self.keys, self.positions, np.uint64(self.capacity))
+
+    def bracket(self, bits: Any) -> None:
+        """The bisection's bracket [LO, HI): from the key of the mean finite
+        magnitude to just above the largest finite key (``mean_bracket``)."""
+        self.stats.fill(0)
+        self._one("clear_slot", "", self.state, np.int32(SLOT["hi"]))
+        self._pass("finite_stats", bits, np.int64(self.n), self.mask, self.inf_key, self.stats, self.state)
+        self._one("mean_bracket", self.pair, self.stats, self.state, self.inf_key)
 
     def warm_floor(self) -> None:
         """The last k-th magnitude times the margin, or no floor after a k-th

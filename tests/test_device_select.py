@@ -242,11 +242,7 @@ def test_a_mean_that_rounds_above_the_largest_value_leaves_the_bracket_whole():
     device_x = on_device(x)
     bits = device_select.bits_of(device_x)
     workspace = Workspace(device_select.kernels_for(device_x), x.size, x.dtype, 7, bisects=True)
-    workspace._one("clear_slot", "", workspace.state, np.int32(SLOT["hi"]))
-    workspace.stats.fill(0)
-    workspace._pass("finite_stats", bits, np.int64(x.size), workspace.mask, workspace.inf_key, workspace.stats,
-                    workspace.state)
-    workspace._one("mean_bracket", workspace.pair, workspace.stats, workspace.state, workspace.inf_key)
+    workspace.bracket(bits)
     lo, hi = int(workspace.state[SLOT["lo"]]), int(workspace.state[SLOT["hi"]])
     top = int(np.float64(0.9).view(np.uint64))
     assert lo <= top < hi == top + 1, (lo, hi, top)
