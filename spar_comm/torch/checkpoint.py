@@ -49,8 +49,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import ConfigError
 from .. import redistribute
@@ -81,6 +79,14 @@ class Resumed:
         return f"resumed {self.path}{at}, saved by {self.saved_world} ranks, on {self.world}: {how}"
 
 
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported at first use: the import takes
+    most of a second, in every process of a job that may never save."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def save_checkpoint(state: Mapping[str, Any], directory: str, step: int) -> str:
     """Save ``state`` (``dcp.save``'s argument) into a new folder of
     ``directory``, then commit it: rank 0 replaces ``directory/latest``, and
@@ -95,6 +101,7 @@ def save_checkpoint(state: Mapping[str, Any], directory: str, step: int) -> str:
     if dist.is_initialized():
         dist.broadcast_object_list(made, src=0)
     path = made[0]
+    dcp = _dcp()
     dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(path, overwrite=False))
     if rank == 0:  # DCP's coordinator: its save returns once every rank's part and the metadata are written
         _commit(directory, {"save": os.path.basename(path), "step": int(step),
@@ -161,7 +168,7 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
         if isinstance(value, _DistributedOptimizer):
             value.init_state()
     try:
-        keys, problem = list(dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata), None
+        keys, problem = list(_dcp().FileSystemReader(checkpoint).read_metadata().state_dict_metadata), None
     except Exception as error:  # noqa: BLE001 (DCP's reader raises what the file system and pickle raise)
         keys, problem = [], f"cannot read the checkpoint {checkpoint}'s metadata: {error}"
     saved = None
@@ -170,7 +177,7 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
     agree(comm, problem)
     saved = comm.size if saved is None else saved
     if saved == comm.size:
-        dcp.load(state, checkpoint_id=checkpoint)
+        _dcp().load(state, checkpoint_id=checkpoint)
     else:
         _load_on_another_world(state, checkpoint, saved, keys)
     return Resumed(checkpoint, step, saved, comm.size)
@@ -208,6 +215,8 @@ def _load_on_another_world(state: Dict[str, Any], checkpoint: str, saved: int, k
     """Load into templates that ask for every saved rank's residuals, then
     hand each spar_comm object its share as a state of this world, and the
     rest as ``dcp.load`` would."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
     template = {}
     for key, value in state.items():
         if isinstance(value, HookState):
@@ -216,7 +225,7 @@ def _load_on_another_world(state: Dict[str, Any], checkpoint: str, saved: int, k
             template[key] = _optimizer_template(value, key, saved, keys)
         else:
             template[key] = value.state_dict() if isinstance(value, Stateful) else value
-    dcp.load(template, checkpoint_id=checkpoint)
+    _dcp().load(template, checkpoint_id=checkpoint)
     for key, value in state.items():
         if isinstance(value, HookState):
             value.load_state_dict(_hook_share(value, template[key], saved))
