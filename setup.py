@@ -34,7 +34,7 @@ setup(
         # numba-cuda and a CUDA runtime library run the device kernels under
         # Numba's CUDA simulator, so the tests exercise them without a GPU
         # array-api-strict: the MLP must stay inside the array API that CuPy runs it through
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "hypothesis", "matplotlib",
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout", "pytest-xdist>=3", "hypothesis", "matplotlib",
                  "numba-cuda>=0.30.4,<0.31", "nvidia-cuda-runtime>=13.5,<14", "array-api-strict>=2.3"],
         # analyze.py --plot
         "plot": ["matplotlib"],

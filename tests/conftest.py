@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import layouts
-from run_mpi import kill_marked
+from mpi_helpers import LAYOUT_WORLDS, RANK_WORLDS, layout_name, layouts
+from run_mpi import LAUNCHES, kill_marked, launches
+from run_scale import LAYOUTS as SCALE_LAUNCHES
 from shm_cleanup import mpi_segments, remove_mapped_segments, remove_orphaned_segments
 from spar_comm import Topology, emucluster
 
@@ -38,7 +39,51 @@ SEGMENTS_AT_START = pytest.StashKey[set]()
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of `make test-quick` (a driver run or a simulated kernel sweep)")
+    config.addinivalue_line("markers", "worlds(*sizes): the MPI world sizes the test runs at (default: "
+                            f"{LAYOUT_WORLDS} on the topology fixture's layouts, else {RANK_WORLDS})")
+    config.addinivalue_line("markers", "openmpi: run under Open MPI too (make test-openmpi)")
+    config.addinivalue_line("markers", "alone: run with no other test beside it (make test-serial runs the rest "
+                            "two at a time): it times a deadline, counts /dev/shm files or shapes an emulated network")
     config.stash[SEGMENTS_AT_START] = mpi_segments()
+
+
+#: The world sizes tests/run_mpi.py (make test) and tests/run_scale.py (make
+#: test-scale) launch: a test asking for any other would never run.
+LAUNCHED_WORLDS = {ranks for ranks, _ in launches(LAUNCHES) + SCALE_LAUNCHES}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--any-world", action="store_true",
+                     help="run every MPI test at this launch's world size, whatever sizes it asks for "
+                          "(make test-gpu: on a real GPU every size counts)")
+
+
+def worlds(item: pytest.Item) -> tuple:
+    """The world sizes an MPI test runs at: its ``worlds`` marker's, else the
+    default for what it is (a test over the topology fixture's layouts, or not)."""
+    marker = item.get_closest_marker("worlds")
+    if marker is not None:
+        return marker.args
+    on_layouts = "topology" in getattr(getattr(item, "callspec", None), "params", {})
+    return LAYOUT_WORLDS if on_layouts else RANK_WORLDS
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each MPI launch keeps the MPI tests that asked for its world size
+    (``worlds``); the rest are deselected, not skipped. A test asking for a
+    size no launch has is an error here, in the serial run too."""
+    unreachable = [item.nodeid for item in items if item.get_closest_marker("mpi") is not None
+                   and not set(worlds(item)) & LAUNCHED_WORLDS]
+    if unreachable:
+        raise pytest.UsageError(f"asks for no world size of tests/run_mpi.py's launches {sorted(LAUNCHED_WORLDS)}: "
+                                + ", ".join(unreachable[:5]))
+    if config.getoption("--any-world") or not (config.getoption("--with-mpi") or config.getoption("--only-mpi")):
+        return
+    size = MPI.COMM_WORLD.size
+    kept = [item for item in items if item.get_closest_marker("mpi") is None or size in worlds(item)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -182,10 +227,12 @@ def run_driver():
     return run
 
 
-@pytest.fixture(scope="module", params=list(layouts(MPI.COMM_WORLD.size)), ids=lambda r: f"rpn{r}")
+@pytest.fixture(scope="module", params=list(layouts(MPI.COMM_WORLD.size)),
+                ids=lambda r: layout_name(MPI.COMM_WORLD.size, r))
 def topology(request):
     """A topology of emulated nodes, once for every node size worth testing at
-    this world size (MPI tests; a module may define its own)."""
+    this world size (MPI tests; a module may define its own). Its ids name the
+    layout: ``2x2``, ``2+1``."""
     topo = Topology(ranks_per_node=request.param)
     yield topo
     topo.free()

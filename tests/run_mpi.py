@@ -2,10 +2,12 @@
 """Run the MPI test suites under mpiexec at several world sizes, each launch
 under a hard time limit so that a deadlock fails fast instead of hanging.
 
-Each launch is ``pytest --with-mpi -m mpi`` on every rank (the tests loop over
-emulated node layouts themselves); ``SPAR_COMM_RANKS_PER_NODE`` is also set so
-code that reads the environment sees emulated nodes. Rank 0's report is shown;
-other ranks' output only when a launch fails. The last line is the total.
+Each launch is ``pytest --with-mpi -m mpi`` on every rank, which keeps the
+tests that asked for its world size (``@pytest.mark.worlds``, tests/conftest.py;
+those on the ``topology`` fixture loop over emulated node layouts themselves);
+``SPAR_COMM_RANKS_PER_NODE`` is also set so code that reads the environment
+sees emulated nodes. Rank 0's report is shown; other ranks' output only when a
+launch fails. The last line is the total.
 """
 from __future__ import annotations
 
@@ -37,12 +39,17 @@ def launch_limit(limit: float, ranks: int) -> float:
     return limit * max(1.0, ranks / 4)
 
 
-def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extra: list) -> dict:
+#: pytest's exit status when every test was deselected: no test asked for this world size.
+NO_TESTS = 5
+
+
+def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extra: list,
+               marks: str = "mpi") -> dict:
     test_limit = min(TEST_LIMIT, max(10, int(limit * 0.4)))
     logs = tempfile.mkdtemp(prefix="spar_comm_mpi_tests_")
     command = [
         mpiexec, "-n", str(ranks), sys.executable, __file__, "--rank-log", logs, "--",
-        sys.executable, "-m", "pytest", "--with-mpi", "-m", "mpi", "-q", "-rfE",
+        sys.executable, "-m", "pytest", "--with-mpi", "-m", marks, "-q", "-rfE",
         "-p", "no:cacheprovider", f"--timeout={test_limit}", "--timeout-method=thread", *extra,
     ]
     marker = f"{os.getpid()}-{ranks}-{time.monotonic_ns()}"
@@ -69,7 +76,7 @@ def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extr
         if " in " in text and COUNTS.search(text):
             summary = {word.rstrip("s") if word.startswith("error") else word: int(n) for n, word in COUNTS.findall(text)}
             break
-    ok = not timed_out and process.returncode == 0 and summary.get("failed", 0) == 0
+    ok = not timed_out and process.returncode in (0, NO_TESTS) and summary.get("failed", 0) == 0
     return dict(ok=ok, timed_out=timed_out, code=process.returncode, summary=summary,
                 per_rank=per_rank, seconds=time.monotonic() - start)
 
@@ -121,13 +128,16 @@ def main() -> int:
                              "(default: %(default)s)")
     parser.add_argument("--launches", type=launches, default=LAUNCHES,
                         help="RANKS:RANKS_PER_NODE of each launch, comma-separated (default: %(default)s)")
+    parser.add_argument("--marks", default="mpi",
+                        help="the tests to run, as a pytest -m expression (default: %(default)s)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, e.g. a test file or -k EXPR")
     args = parser.parse_args()
 
     passed = failed = skipped = 0
     for ranks, rpn in args.launches:
         before = mpi_segments()
-        result = run_launch(args.mpiexec, ranks, rpn, launch_limit(args.limit, ranks), args.pytest_args or ["tests"])
+        result = run_launch(args.mpiexec, ranks, rpn, launch_limit(args.limit, ranks), args.pytest_args or ["tests"],
+                            args.marks)
         remove_orphaned_segments(before)  # a launch killed at its limit leaves them
         counts = result["summary"]
         passed += counts.get("passed", 0)

@@ -27,6 +27,7 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.openmpi
 @pytest.mark.slow
 def test_a_failure_on_one_rank_aborts_the_job():
     result = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-c", SCRIPT], cwd=ROOT,

@@ -54,6 +54,7 @@ BAD_GRADIENTS = {
 }
 
 
+@pytest.mark.openmpi
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 @pytest.mark.parametrize("case", list(BAD_GRADIENTS))
@@ -96,6 +97,7 @@ BAD_SETTINGS = {
 }
 
 
+@pytest.mark.openmpi
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("case", list(BAD_SETTINGS))
 @pytest.mark.parametrize("everywhere", [True, False], ids=["all-ranks", "one-rank"])

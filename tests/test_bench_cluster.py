@@ -12,6 +12,8 @@ import pytest
 from spar_comm import ALGORITHMS, costmodel
 from spar_comm.bench.cluster import DENSE, NODE_SWEEP
 
+pytestmark = pytest.mark.alone  # it runs on an emulated cluster
+
 
 def modelled_sweep() -> dict:
     machine = costmodel.CPU.with_links(inter_gbps=1)

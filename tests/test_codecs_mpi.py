@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all, assert_identical_bits
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits
 from reference import Reference
 from spar_comm import ConfigError, make_allreducer
 from spar_comm.collectives.checks import CODECS
@@ -33,6 +33,8 @@ def codec_cases():
             yield from ((algorithm, v, "auto", "float32", 140_000, 0.0002) for v in (None, "int8"))
 
 
+@pytest.mark.openmpi
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm, values, indices, dtype, n, density", list(codec_cases()))
 def test_matches_the_reference_with_the_codecs_rounding(topology, algorithm, values, indices, dtype, n, density):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all, assert_identical_bits
+from mpi_helpers import LAYOUT_WORLDS, REFERENCE_WORLDS, assert_all, assert_identical_bits
 from reference import Reference, reproducible
 from spar_comm import ALGORITHMS, make_allreducer
 from spar_comm.collectives.channel import Channel, displacements
@@ -38,6 +38,8 @@ def integer_grads(seed: int, step: int, p: int, n: int, dtype) -> list:
     return [(rng.integers(-(2**12), 2**12, n) * 2.0**-6).astype(dtype) for _ in range(p)]
 
 
+@pytest.mark.openmpi
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", reproducible())  # powersgd to rounding: test_powersgd_mpi.py
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -86,6 +88,7 @@ def test_conservation_on_random_gradients(topology, algorithm, dtype):
     assert_identical_bits(COMM, applied, "applied updates")
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ["topka", "gtopk", "hitopk", "hitopk_leader"])
 def test_without_error_feedback_nothing_is_kept(topology, algorithm):
@@ -103,6 +106,7 @@ def test_without_error_feedback_nothing_is_kept(topology, algorithm):
     assert_all(COMM, not reducer.residual_full().any(), "a residual was kept without error feedback")
 
 
+@pytest.mark.worlds(1, *LAYOUT_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_accounting(topology, algorithm):
@@ -128,6 +132,7 @@ def test_accounting(topology, algorithm):
         assert_all(COMM, sent == expected, f"gtopk sent {sent} in all, a binomial tree both ways {expected}")
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ["hier_dense", "hitopk"])
 def test_message_passing_reduce_scatter_matches_too(topology, algorithm, monkeypatch):
@@ -142,6 +147,8 @@ def test_message_passing_reduce_scatter_matches_too(topology, algorithm, monkeyp
         assert_all(COMM, np.array_equal(reducer.allreduce(grads[rank]), ref.step(grads)), f"step {step}")
 
 
+@pytest.mark.openmpi
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", reproducible())
 def test_gradient_assembled_in_the_shared_buffer(topology, algorithm):
@@ -175,6 +182,7 @@ def test_gradient_assembled_in_the_shared_buffer(topology, algorithm):
     reducer.free()
 
 
+@pytest.mark.openmpi
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("n", [1, 5, 999, 10_007])
@@ -228,6 +236,7 @@ def test_summed_gets_every_ranks_part_of_the_shard_in_rank_order_or_is_refused(t
     assert_all(COMM, shared.sums_whole == (slot_bytes is None), f"{shared.rounds} rounds, sums_whole {shared.sums_whole}")
 
 
+@pytest.mark.openmpi
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("make", [
     lambda channel, counts, dtype: SharedReduceScatter(channel, counts, dtype, slot_bytes=64 * 4),

@@ -97,6 +97,7 @@ def test_auto_with_bad_settings_raises_the_usual_config_error(topology):
     assert_all(COMM, failed, "no ConfigError for density 1.5")
 
 
+@pytest.mark.openmpi
 @pytest.mark.mpi(min_size=1)
 def test_auto_prices_one_machine_on_every_rank_with_the_link_it_timed(topology, monkeypatch):
     """Without a calibration: the preset, with the link between nodes as the

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all, assert_identical_bits
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits
 from reference import Reference, k_of
 from spar_comm import ConfigError, make_allreducer
 from spar_comm.collectives.checks import CODECS
@@ -28,6 +28,7 @@ def cases():
             yield algorithm, "float16", "auto"
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm, values, indices", list(cases()))
 def test_each_call_at_its_own_density_matches_the_reference(topology, algorithm, values, indices):

@@ -19,6 +19,7 @@ from spar_comm.errors import ConfigError
 LIBRARY = MPI.get_vendor()[0]
 MPICH_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 OPEN_MPI_QUERY = ctypes.CFUNCTYPE(ctypes.c_int)
+pytestmark = pytest.mark.openmpi  # make test-openmpi: each library's CUDA-awareness query
 
 
 def mpich_library(supported: dict) -> SimpleNamespace:

@@ -27,6 +27,8 @@ from conftest import ROOT, two_emulated_hosts
 from shm_cleanup import mpi_segments, orphaned_segments
 from spar_comm import emucluster, waiting
 
+pytestmark = pytest.mark.alone  # it times a deadline on an emulated cluster and counts /dev/shm files
+
 EMU_PREFIX = "spe"  # not the default, so a user's own cluster is never touched
 PORT = 29511
 #: SPAR_COMM_TIMEOUT of the workers, seconds: a wait on the dead peer ends by then.

@@ -16,6 +16,7 @@ from spar_comm import emucluster
 
 REASON = emulated_cluster_unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+pytestmark = pytest.mark.alone  # it shapes an emulated network and times what crosses it
 PREFIX = "spt"  # not the default, so a user's own cluster is never touched
 
 
@@ -162,6 +163,7 @@ def test_driver_reports_bad_input_with_status_2(run_driver):
     assert result.returncode == 2 and "run needs a command" in result.stderr
 
 
+@pytest.mark.openmpi
 def test_only_mpichs_launcher_is_taken(tmp_path):
     """The launch script is Hydra's (-launcher-exec): Open MPI's launcher is
     refused by name, and so is the one beside this Python unless MPI is MPICH."""

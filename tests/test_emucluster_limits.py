@@ -6,6 +6,8 @@ import pytest
 
 from spar_comm import emucluster
 
+pytestmark = pytest.mark.alone  # it shapes an emulated network
+
 needs_netns = pytest.mark.skipif(emucluster.available() is not None, reason="no emulated cluster here")
 
 

@@ -24,6 +24,8 @@ from shm_cleanup import mpi_segments, orphaned_segments
 from spar_comm import emucluster, waiting
 from test_train_runs import FAST, _wait_for_steps, datasets, mpi_command, run_train
 
+pytestmark = pytest.mark.alone  # it times deadlines and counts the /dev/shm files a job leaves
+
 #: SPAR_COMM_TIMEOUT of the jobs, seconds.
 TIMEOUT = 4
 #: A job past this many seconds is killed and the test fails.

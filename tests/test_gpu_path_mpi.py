@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 device_select = pytest.importorskip("spar_comm.kernels.device_select", reason="numba-cuda is not installed")
 
-from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits# noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import GradientError, NonFiniteGradientError, Topology, make_allreducer  # noqa: E402
 from spar_comm.collectives.pairs import PairLayout  # noqa: E402
@@ -26,6 +26,7 @@ from spar_comm.device import ENV_CUDA_AWARE, library_cuda_support  # noqa: E402
 from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
+pytestmark = pytest.mark.usefixtures("fast_simulator")
 N, DENSITY = 300, 0.02
 MODES = {"staged": "0", "cuda-aware": "1"}
 
@@ -66,6 +67,7 @@ def on_host(topology, array) -> np.ndarray:
     return topology.memory.to_host(array)
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", [pytest.param(a, marks=() if a in ("dense", "hitopk") else pytest.mark.slow)
                                        for a in reproducible()])  # the quick tier: one dense, one sparse
@@ -89,6 +91,7 @@ def test_the_gpu_path_matches_the_serial_reference(gpu_topology, algorithm):
     reducer.free()
 
 
+@pytest.mark.openmpi
 @pytest.mark.mpi(min_size=2)
 def test_staging_moves_the_pairs_not_the_vector(gpu_topology):
     """topka stages its k pairs out and the p records in: (p + 1) records, a
@@ -103,6 +106,7 @@ def test_staging_moves_the_pairs_not_the_vector(gpu_topology):
     assert_all(COMM, expected < N * 4, "the test's sizes no longer show the point")
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 def test_mstopk_on_the_device_selects_what_the_cpu_does(gpu_topology):
     """The paper's selector, bisection kernels and all, inside hitopk."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all, assert_identical_bits
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits
 from reference import Reference, reproducible
 from spar_comm import ALGORITHMS, GradientError, Topology, make_allreducer
 
@@ -43,6 +43,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", reproducible())
 @pytest.mark.parametrize("dtype", HALF)

@@ -156,6 +156,7 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.openmpi
 @pytest.mark.slow
 @pytest.mark.parametrize("where, message", [
     ("selection", "[rank 1] topka allreduce failed"),

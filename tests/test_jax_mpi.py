@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits# noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import ConfigError, GradientError, NonFiniteGradientError, Topology  # noqa: E402
 from spar_comm.collectives.checks import CODECS  # noqa: E402
@@ -75,6 +75,8 @@ def nodes_of_two():
     topo.free()
 
 
+@pytest.mark.openmpi
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm, values", [*((a, None) for a in reproducible()),
                                                *((a, "int8") for a in CODECS["values"])])

@@ -14,6 +14,8 @@ import pytest
 from spar_comm import ALGORITHMS, mpi_strings
 from spar_comm.files import text_attributes
 
+pytestmark = pytest.mark.openmpi  # make test-openmpi: the drivers' runs under each library's launcher
+
 
 @pytest.mark.slow
 def test_the_trace_holds_the_librarys_strings_and_analyze_reads_it(run_driver, tmp_path):

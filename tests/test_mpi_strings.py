@@ -15,6 +15,7 @@ from spar_comm.training.trace import TraceWriter
 
 OPEN_MPI_VERSION = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11\x00"
 ALLOWED = set(string.printable) - set("\r\x0b\x0c")
+pytestmark = pytest.mark.openmpi  # make test-openmpi: the strings each library hands back (Open MPI's end in a NUL)
 
 
 @pytest.mark.parametrize("raw, cleaned", [

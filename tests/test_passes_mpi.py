@@ -4,6 +4,7 @@ enough to take it; and the passes one call makes against the table in
 docs/design.md."""
 from __future__ import annotations
 
+import functools
 import re
 
 import ml_dtypes  # noqa: F401  (bfloat16)
@@ -12,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import ROOT
-from mpi_helpers import assert_all, assert_identical_bits
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits, computed_on_rank_0
 from reference import Reference
 from spar_comm import Topology, make_allreducer
 from spar_comm.bench.passes import counted_call
@@ -28,11 +29,32 @@ DENSITY = 0.001
 SCALES = (1.0, 2.0**-8, 2.0**8, 1.0)
 
 
-def grads(step: int, p: int, dtype) -> list:
+@functools.lru_cache(maxsize=None)
+def grads(step: int, p: int, dtype) -> tuple:
     """Every rank's gradient: multiples of 2**-4 below 2**4 in magnitude, scaled by
-    a power of two, exact in every dtype, and every float32 sum of them over ranks and steps exact."""
+    a power of two, exact in every dtype, and every float32 sum of them over ranks
+    and steps exact. Made once: a test copies what it hands the allreducer."""
     rng = np.random.default_rng([29, step])
-    return [(rng.integers(-256, 256, N) * 2.0**-4 * SCALES[step]).astype(dtype) for _ in range(p)]
+    return tuple((rng.integers(-256, 256, N) * 2.0**-4 * SCALES[step]).astype(dtype) for _ in range(p))
+
+
+@functools.lru_cache(maxsize=None)
+def reference_steps(algorithm: str, dtype: str, ranks_per_node: int) -> tuple:
+    """The reference's (output, this rank's residual) at each step: the same for
+    every selector and either way of passing the result, so played once, by rank 0."""
+    p = COMM.size
+    wide = "float64" if dtype == "float64" else "float32"
+
+    def play() -> list:
+        ref = Reference(algorithm, p, ranks_per_node, N, wide, DENSITY)
+        per_rank: list = [[] for _ in range(p)]
+        for step in range(len(SCALES)):
+            expected = ref.step([g.astype(wide) for g in grads(step, p, dtype)]).astype(dtype)
+            for rank in range(p):
+                per_rank[rank].append((expected, ref.residuals[rank].copy()))
+        return per_rank
+
+    return tuple(computed_on_rank_0(COMM, play))
 
 
 #: (algorithm, dtype, in place): the quick tier's, then the full suite's.
@@ -42,6 +64,7 @@ SWEEPS = [(algorithm, dtype, in_place) for algorithm in ("topka", "hitopk", "gto
     for case in [(a, d, False) for a in ("topka", "hitopk") for d in ("float64", "float16")] + [("topka", "bfloat16", True)]]
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm, dtype, in_place", SWEEPS,
                          ids=lambda v: {True: "in_place", False: "new"}.get(v, v) if isinstance(v, bool) else v)
@@ -53,19 +76,16 @@ def test_the_sweep_matches_the_serial_reference(topology, algorithm, dtype, in_p
         pytest.skip("the zeroing and gtopk's sweep do not depend on the world's size; 6 ranks on 2 cores "
                     "take the launch's time")
     p, rank = COMM.size, COMM.rank
-    wide = "float64" if dtype == "float64" else "float32"
     reducer = make_allreducer(algorithm, topology, N, dtype, density=DENSITY, selector=selector)
-    ref = Reference(algorithm, p, topology.emulated_ranks_per_node, N, wide, DENSITY)
-    for step in range(len(SCALES)):
-        given = grads(step, p, dtype)
-        expected = ref.step([g.astype(wide) for g in given]).astype(dtype)
+    for step, (expected, residual) in enumerate(reference_steps(algorithm, dtype, topology.emulated_ranks_per_node)):
+        mine = grads(step, p, dtype)[rank].copy()
         if in_place:
-            out = reducer.allreduce(given[rank], out=given[rank])
+            out = reducer.allreduce(mine, out=mine)
         else:
-            given[rank].flags.writeable = step % 2 == 0  # read-only as a JAX array's NumPy view is, every other step
-            out = reducer.allreduce(given[rank])
+            mine.flags.writeable = step % 2 == 0  # read-only as a JAX array's NumPy view is, every other step
+            out = reducer.allreduce(mine)
         assert_all(COMM, out.tobytes() == expected.tobytes(), f"step {step}: output differs from the reference")
-        assert_all(COMM, reducer.residual_full().tobytes() == ref.residuals[rank].tobytes(),
+        assert_all(COMM, reducer.residual_full().tobytes() == residual.tobytes(),
                    f"step {step}: residual differs from the reference")
         assert_identical_bits(COMM, out, "output")
     reducer.free()
@@ -83,12 +103,13 @@ def design_table() -> dict:
     return rows
 
 
+@pytest.mark.worlds(1, 2)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("row", sorted(design_table()), ids=lambda row: "-".join(map(str, row)).replace(" ", "_"))
 def test_a_call_makes_the_passes_the_design_table_states(row):
     algorithm, ranks_per_node, selector, result = row
-    if COMM.size % ranks_per_node or COMM.size > 2:
-        pytest.skip(f"the table's layouts are of 1 and 2 ranks; this world has {COMM.size}")
+    if COMM.size % ranks_per_node:
+        pytest.skip(f"a node of {ranks_per_node} ranks in a world of {COMM.size}")
     topology = Topology(ranks_per_node=ranks_per_node)
     reducer = make_allreducer(algorithm, topology, N, density=DENSITY, selector=selector, shared_buffer=True)
     grad = reducer.buffer

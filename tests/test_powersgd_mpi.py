@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all, assert_identical_bits
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits
 from spar_comm import ConfigError, make_allreducer
 from spar_comm.collectives.powersgd import SEED, plan
 
@@ -49,6 +49,7 @@ def rank_grads(step, n, dtype):
     return [rng.standard_normal(n).astype(dtype) for _ in range(COMM.size)]
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-9), ("float32", 2e-4)])
 @pytest.mark.parametrize("rank, shapes", [(1, None), (2, [(40, 30), (30,), (7, 5, 4)]), (4, [(64, 64)])])

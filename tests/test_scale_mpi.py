@@ -12,10 +12,11 @@ from test_collectives_mpi import STEPS, integer_grads
 
 from mpi_helpers import assert_all, assert_identical_bits
 from reference import Reference, reproducible
+from run_scale import LAYOUTS
 from spar_comm import Topology, make_allreducer
 
 COMM = MPI.COMM_WORLD
-pytestmark = pytest.mark.skipif(COMM.size < 8, reason="tests/run_scale.py runs these at 8 to 16 ranks")
+pytestmark = pytest.mark.worlds(*sorted({ranks for ranks, _ in LAYOUTS}))  # tests/run_scale.py's launches
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from test_collectives_mpi import integer_grads  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 torch.set_num_threads(1)
-pytestmark = pytest.mark.skipif(COMM.size > 3 or not dist.is_available(), reason="DDP tests run on 1 to 3 ranks")
+pytestmark = [pytest.mark.worlds(1, 3), pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")]
 DDP = torch.nn.parallel.DistributedDataParallel
 SHAPES = [(7, 5), (40,), (30,), (4, 4), (11,), (9, 3)]  # registration order
 CAP_MB = 48 * 8 / 2**20  # about 48 float64 values a bucket: several buckets
@@ -421,6 +421,7 @@ def test_an_overflow_on_one_rank_is_skipped_by_grad_scaler_on_every_rank(topolog
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fast_simulator")
 @pytest.mark.mpi(min_size=1)
 def test_the_hook_on_the_gpu_path_gives_the_cpu_paths_bits(topology):
     """The hook on ``gpu-simulator`` (CUDA tensors on a GPU machine): DDP's

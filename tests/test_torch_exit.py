@@ -10,6 +10,7 @@ import time
 import pytest
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.alone  # it times how long an exit waits
 
 # A job that stays in C++ (matrix products, the GIL released) for about a
 # second after the main thread has reached its end.

@@ -28,8 +28,7 @@ from test_torch_mpi import Controlled, make_run, rank_grads, train_steps  # noqa
 
 COMM = MPI.COMM_WORLD
 torch.set_num_threads(1)
-pytestmark = pytest.mark.skipif(numba_config.ENABLE_CUDASIM and COMM.size != 3,
-                                reason="under the simulator: 3 ranks only")
+pytestmark = [pytest.mark.worlds(3), pytest.mark.usefixtures("fast_simulator")]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import spar_comm.torch as sct  # noqa: E402
 from spar_comm.torch.streams import tensor_device  # noqa: E402
-from mpi_helpers import assert_all, assert_identical_bits  # noqa: E402
+from mpi_helpers import REFERENCE_WORLDS, assert_all, assert_identical_bits# noqa: E402
 from reference import Reference, reproducible  # noqa: E402
 from spar_comm import ConfigError, NonFiniteGradientError, Topology  # noqa: E402
 from spar_comm.costmodel import gbps_to_beta, probe  # noqa: E402
@@ -70,6 +70,8 @@ def bucket_of(grads_of_rank, model, bucket) -> np.ndarray:
     return np.concatenate([grads_of_rank[index[id(p)]] for p in bucket.params])
 
 
+@pytest.mark.openmpi
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm, values, indices", [
     *((a, None, None) for a in reproducible()),
@@ -139,6 +141,7 @@ def test_ranks_that_set_different_densities_are_refused_at_step_on_every_rank(to
     assert_all(COMM, np.array_equal(parameters_of(model), before), "a refused step moved the parameters")
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", reproducible())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -121,6 +121,7 @@ def test_the_state_round_trips_through_torch_distributed_checkpoint_rank_by_rank
     assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
 
 
+@pytest.mark.alone  # it times a deadline
 @pytest.mark.slow
 @pytest.mark.parametrize("way", ["hook", "optimizer"])
 def test_a_peer_that_stops_answering_ends_a_torchrun_job_at_the_deadline(way):
@@ -145,17 +146,32 @@ def test_a_peer_that_stops_answering_ends_a_torchrun_job_at_the_deadline(way):
     assert left == 0, f"{left} processes left"
 
 
+@pytest.fixture(scope="module")
+def saved_on(tmp_path_factory):
+    """The checkpoint tests/torchrun_resume.py saves on a world of ``ranks``,
+    saved once for every load of it (loads only read it)."""
+    saves = {}
+
+    def save(ranks: int) -> str:
+        if ranks not in saves:
+            directory = str(tmp_path_factory.mktemp(f"saved_on_{ranks}") / "checkpoint")
+            lines = lines_of(ranks, "save", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
+            assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
+            saves[ranks] = directory
+        return saves[ranks]
+
+    return save
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("saved, loaded", [(2, 1), (2, 4), (4, 2)])
-def test_the_state_resumes_on_another_world_with_the_residuals_total_kept(tmp_path, saved, loaded):
+def test_the_state_resumes_on_another_world_with_the_residuals_total_kept(saved_on, saved, loaded):
     """tests/torchrun_resume.py: the optimizer's and the hook's state saved by
     save_checkpoint on one world, loaded by load_checkpoint on another: the
     parameters to the bit, the new ranks' residuals summed equal to the saved
     ranks' summed in rank order (from NumPy files written beside the save),
     each position on one new rank; a plain dcp.load on the new world is
     refused by spar_comm, naming load_checkpoint."""
-    directory = str(tmp_path / "checkpoint")
-    lines = lines_of(saved, "save", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
-    assert [lines.get((rank, "summary")) for rank in range(saved)] == ["0 failed"] * saved, lines
+    directory = saved_on(saved)
     lines = lines_of(loaded, "load", directory, script=ROOT / "tests" / "torchrun_resume.py", limit=120)
     assert [lines.get((rank, "summary")) for rank in range(loaded)] == ["0 failed"] * loaded, lines

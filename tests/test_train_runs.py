@@ -280,6 +280,7 @@ def failing_job(folder: Path, rank: int, call: int, args: List[str]) -> Path:
     return wrapper
 
 
+@pytest.mark.openmpi
 @pytest.mark.slow
 def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
     wrapper = failing_job(tmp_path, rank=1, call=5, args=[*FAST, "--trace", "", "--steps", "50"])
@@ -289,6 +290,7 @@ def test_an_exception_on_one_rank_ends_the_job_once(tmp_path):
     assert "[rank 1] train.py failed:" in result.stderr
 
 
+@pytest.mark.openmpi
 @pytest.mark.slow
 def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path):
     common = [*FAST, "--steps", "40", "--ranks-per-node", "1"]
@@ -308,6 +310,7 @@ def test_a_crashed_run_resumes_from_its_last_periodic_checkpoint(tmp_path):
     assert np.array_equal(read_trace(trace).data["step"], np.arange(40))
 
 
+@pytest.mark.openmpi
 @pytest.mark.slow
 def test_sigusr1_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     ckpt, trace = tmp_path / "c.h5", tmp_path / "t.h5"
@@ -328,6 +331,7 @@ def test_sigusr1_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
         assert f["step"][-1] == step - 1 and len(f["step"]) == step
 
 
+@pytest.mark.openmpi
 @pytest.mark.slow
 def test_sigkill_of_a_rank_ends_the_job_and_keeps_the_trace(tmp_path):
     trace = tmp_path / "t.h5"

@@ -15,6 +15,8 @@ from spar_comm import waiting
 from spar_comm.collectives.channel import Channel
 from spar_comm.memory import SimulatedGpuMemory
 
+pytestmark = pytest.mark.alone  # it times deadlines
+
 
 class Done:
     """A request that is complete."""

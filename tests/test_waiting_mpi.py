@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_helpers import assert_all
+from mpi_helpers import REFERENCE_WORLDS, assert_all
 from spar_comm import ConfigError, Topology, waiting
 from spar_comm.collectives.channel import Channel, displacements
 from spar_comm.topology import shard_bounds
 
 COMM = MPI.COMM_WORLD
 LATE = 0.4  # seconds rank 0 arrives late
+pytestmark = pytest.mark.openmpi  # make test-openmpi: each library's nonblocking calls, waited on by sleeping or spinning
 
 
 @pytest.fixture(params=["sleep", "spin"])
@@ -54,6 +55,7 @@ def test_a_rank_waiting_for_a_late_one_sleeps(monkeypatch):
     comm.Free()
 
 
+@pytest.mark.worlds(*REFERENCE_WORLDS)
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("elements", [3, waiting.SMALL_BYTES // 8, waiting.SMALL_BYTES // 8 + 1,
                                       4 * waiting.SMALL_BYTES // 8])

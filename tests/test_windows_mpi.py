@@ -20,6 +20,7 @@ from spar_comm.collectives.windows import WindowError
 from spar_comm.segments import SHM, WINDOW_PREFIX
 
 COMM = MPI.COMM_WORLD
+pytestmark = pytest.mark.openmpi  # make test-openmpi: each library's shared-memory windows and files
 
 
 @pytest.mark.mpi(min_size=1)
