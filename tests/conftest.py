@@ -75,8 +75,8 @@ def pytest_collection_modifyitems(config, items):
     unreachable = [item.nodeid for item in items if item.get_closest_marker("mpi") is not None
                    and not set(worlds(item)) & LAUNCHED_WORLDS]
     if unreachable:
-        raise pytest.UsageError(f"asks for no world size of tests/run_mpi.py's launches {sorted(LAUNCHED_WORLDS)}: "
-                                + ", ".join(unreachable[:5]))
+        raise pytest.UsageError(f"asks for no world size that tests/run_mpi.py or tests/run_scale.py launches "
+                                f"{sorted(LAUNCHED_WORLDS)}: " + ", ".join(unreachable[:5]))
     if config.getoption("--any-world") or not (config.getoption("--with-mpi") or config.getoption("--only-mpi")):
         return
     size = MPI.COMM_WORLD.size
