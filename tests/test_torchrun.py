@@ -123,7 +123,7 @@ def test_the_state_round_trips_through_torch_distributed_checkpoint_rank_by_rank
 
 @pytest.mark.alone  # it times a deadline
 @pytest.mark.slow
-@pytest.mark.parametrize("way", ["hook", "optimizer"])
+@pytest.mark.parametrize("way", ["hook", "optimizer", "checkpoint"])
 def test_a_peer_that_stops_answering_ends_a_torchrun_job_at_the_deadline(way):
     """tests/torchrun_stall.py: rank 0 hangs at step 3; rank 1 warns half-way,
     then ends by its deadline naming the collective and its own rank, with

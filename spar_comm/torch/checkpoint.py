@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .. import redistribute
+from .. import redistribute, waiting
 from .ddp import HOOK_STATE_FORMAT, HookState, _own_hook_residuals
 from .optimizer import STATE_FORMAT, _DistributedOptimizer, _own_state
 from .state import agree, rank_key
@@ -92,17 +92,21 @@ def save_checkpoint(state: Mapping[str, Any], directory: str, step: int) -> str:
     ``directory``, then commit it: rank 0 replaces ``directory/latest``, and
     removes the older saves. Collective over torch.distributed's default
     group. Returns the new save's path. Atomic: until the commit, the
-    previous save is the one ``load_checkpoint`` finds."""
+    previous save is the one ``load_checkpoint`` finds. A rank waits for the
+    others at most ``SPAR_COMM_TIMEOUT`` (spar_comm.waiting), as in every
+    collective of spar_comm's: a peer that stops answering mid-save ends the
+    job instead of hanging it for the group's own timeout."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     made = [None]
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         made[0] = tempfile.mkdtemp(prefix=f"step{step:09d}-", dir=directory)  # new: never a save over another
-    if dist.is_initialized():
-        dist.broadcast_object_list(made, src=0)
-    path = made[0]
-    dcp = _dcp()
-    dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(path, overwrite=False))
+    with waiting.watched(f"saving the checkpoint in {directory}", job_comm(None, None)):
+        if dist.is_initialized():
+            dist.broadcast_object_list(made, src=0)
+        path = made[0]
+        dcp = _dcp()
+        dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(path, overwrite=False))
     if rank == 0:  # DCP's coordinator: its save returns once every rank's part and the metadata are written
         _commit(directory, {"save": os.path.basename(path), "step": int(step),
                             "world_size": dist.get_world_size() if dist.is_initialized() else 1})
@@ -176,10 +180,11 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
         saved, problem = _saved_world(checkpoint, keys, ours)
     agree(comm, problem)
     saved = comm.size if saved is None else saved
-    if saved == comm.size:
-        _dcp().load(state, checkpoint_id=checkpoint)
-    else:
-        _load_on_another_world(state, checkpoint, saved, keys)
+    with waiting.watched(f"loading the checkpoint {checkpoint}", comm):  # as save_checkpoint's
+        if saved == comm.size:
+            _dcp().load(state, checkpoint_id=checkpoint)
+        else:
+            _load_on_another_world(state, checkpoint, saved, keys)
     return Resumed(checkpoint, step, saved, comm.size)
 
 
