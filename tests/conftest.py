@@ -80,9 +80,11 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--any-world") or not (config.getoption("--with-mpi") or config.getoption("--only-mpi")):
         return
     size = MPI.COMM_WORLD.size
-    kept = [item for item in items if item.get_closest_marker("mpi") is None or size in worlds(item)]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    kept, left = [], []
+    for item in items:
+        (kept if item.get_closest_marker("mpi") is None or size in worlds(item) else left).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
         items[:] = kept
 
 

@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shm_cleanup import mpi_segments, remove_orphaned_segments  # noqa: E402  (no MPI in this process)
+from run_mpi import kill_marked  # noqa: E402  (no MPI in this process)
+from shm_cleanup import mpi_segments, remove_orphaned_segments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("serial", "mpi", "openmpi")
@@ -171,18 +172,6 @@ def stages_for(fault: Fault) -> List[str]:
     return [fault.hint, *STAGES]
 
 
-def kill_marked(marker: str) -> None:
-    """SIGKILL every process whose environment carries ``MARKER=marker``."""
-    needle = f"{MARKER}={marker}".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as environ:
-                if needle in environ.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            continue
-
-
 def run_stage(stage: str, tree: Path, limit: float, log: Path) -> Outcome:
     """Run ``stage`` in ``tree`` (output in ``log``), killed with everything it
     started past ``limit`` seconds or on an interrupt. No bytecode is written:
@@ -202,7 +191,7 @@ def run_stage(stage: str, tree: Path, limit: float, log: Path) -> Outcome:
             if timed_out:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-                kill_marked(marker)
+                kill_marked(marker, MARKER)
                 process.wait()
                 remove_orphaned_segments(segments)
     failed = FAILED.search(log.read_text(errors="replace"))

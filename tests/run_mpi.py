@@ -81,10 +81,10 @@ def run_launch(mpiexec: str, ranks: int, ranks_per_node: int, limit: float, extr
                 per_rank=per_rank, seconds=time.monotonic() - start)
 
 
-def kill_marked(marker: str) -> int:
-    """SIGKILL every process whose environment carries this launch's marker;
-    returns how many there were (what the launch left behind)."""
-    needle = f"SPAR_COMM_TEST_LAUNCH={marker}".encode()
+def kill_marked(marker: str, variable: str = "SPAR_COMM_TEST_LAUNCH") -> int:
+    """SIGKILL every process whose environment carries ``variable=marker`` (a
+    launch's marker); returns how many there were (what the launch left behind)."""
+    needle = f"{variable}={marker}".encode()
     killed = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
