@@ -67,7 +67,7 @@ def test_an_unreadable_calibration_is_refused_on_every_rank(monkeypatch):
 @pytest.mark.mpi(min_size=1)
 def test_the_allreducers_themselves_take_concrete_names_only(topology):
     with pytest.raises(ConfigError, match="algorithm='auto' is the cost model's choice.*spar_comm.make_allreducer"):
-        collectives.make_allreducer("auto", topology, 1000)
+        collectives.build("auto", topology, 1000, "float32", collectives.Settings())
 
 
 @pytest.mark.mpi(min_size=1)

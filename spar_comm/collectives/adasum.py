@@ -41,6 +41,7 @@ import numpy as np
 
 from ..topology import shard_bounds, shard_owner
 from .base import Allreducer
+from .settings import Call
 
 _FOLD, _LEVEL, _UNFOLD = 1, 2, 3  # message tags
 
@@ -65,10 +66,10 @@ class AdasumAllreducer(Allreducer):
         self.partials = self.xp.zeros(3 * len(self.spans), np.float64)
         self.all_partials = self.xp.zeros(3 * shards, np.float64)
 
-    def _reduce(self, grad: Any) -> Any:
+    def _reduce(self, grad: Any, call: Call) -> Any:
         region = self.allgather.region  # my shards of the result
         self.reduce_scatter(grad, region)
-        if self.average and self.local.size > 1:
+        if self.settings.average and self.local.size > 1:
             region /= self.local.size
         node, nodes = self.topology.node, self.topology.num_nodes
         top = 1 << (nodes.bit_length() - 1)  # the largest power of two <= nodes
@@ -89,7 +90,7 @@ class AdasumAllreducer(Allreducer):
                 distance *= 2
             if folded:
                 self._each_rail(lambda rail, lo, hi: rail.send(region[lo:hi], node + top, _UNFOLD))
-        out = self.output(zeroed=False)
+        out = self.output(call, zeroed=False)
         self.allgather(out)
         self.last["k"] = self.size
         return out

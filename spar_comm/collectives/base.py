@@ -9,9 +9,9 @@ through one), error feedback (``feedback.py``: what was not sent, or sent
 inexactly) and channels (``channel.py``: MPI calls that keep the books).
 What it refuses is in ``checks.py``.
 
-A subclass implements ``_reduce(grad) -> flat array`` (the sum over ranks,
+A subclass implements ``_reduce(grad, call) -> flat array`` (the sum over ranks,
 divided by their number through ``averaged`` when averaging), taking its
-result array from ``output`` once it has read ``grad`` for the last time (the
+result array from ``output(call, ...)`` once it has read ``grad`` for the last time (the
 caller may pass ``out=grad``), and says where its residual lives
 (``feedback.cover``); the rest is here. Arrays are made through ``self.xp``,
 the namespace of the memory the topology put the rank in (NumPy, or CuPy on
@@ -40,8 +40,9 @@ from .checks import BAD_DENSITY, BAD_OUT, BAD_STATE, density_fits, problems_of, 
 from .codecs import make_codec, make_index_codec
 from .feedback import ErrorFeedback, Residual
 from .pairs import PairExchange, PairLayout
+from .settings import Call, Settings
 from .shm import MessageAllgather, MessageReduceScatter, node_collectives
-from .topk import CallDensity, TopK
+from .topk import TopK
 
 
 #: Positions of an array, per element, past which one pass over all of it is
@@ -76,48 +77,15 @@ class Allreducer:
     #: Settings of this algorithm alone (``make_allreducer(..., **options)``), with their defaults.
     options: Dict[str, Any] = {}
 
-    def __init__(
-        self,
-        topology: Topology,
-        size: int,
-        dtype: Any = "float32",
-        density: float = 0.001,
-        selector: str = "mstopk",
-        error_feedback: bool = True,
-        average: bool = True,
-        selector_options: Optional[Dict[str, Any]] = None,
-        shared_buffer: bool = False,
-        values: Optional[str] = None,
-        indices: Optional[str] = None,
-        options: Optional[Dict[str, Any]] = None,
-        max_density: Optional[float] = None,
-    ):
+    def __init__(self, topology: Topology, size: int, dtype: Any = "float32", settings: Settings = Settings()):
         world = topology.world
-        max_density = density if max_density is None else max_density
-        merged = {**type(self).options, **(options or {})}
-        raise_if_any(world, settings_problem(type(self), size, dtype, density, selector, dict(selector_options or {}),
-                                             shared_buffer, {"values": values, "indices": indices}, merged,
-                                             topology.memory, max_density))
-        require_same(
-            world,
-            "allreducer settings",
-            dict(
-                algorithm=self.name,
-                size=int(size),
-                dtype=np.dtype(dtype).name,
-                density=float(density),
-                max_density=float(max_density),
-                selector=selector,
-                error_feedback=bool(error_feedback),
-                average=bool(average),
-                selector_options=repr(sorted((selector_options or {}).items())),
-                shared_buffer=shared_buffer,
-                values=values,
-                indices=indices,
-                options=repr(sorted(merged.items())),
-            ),
-        )
-        self.options = merged
+        settings = settings.replace(max_density=settings.most_density,
+                                    options={**type(self).options, **dict(settings.options)})
+        raise_if_any(world, settings_problem(type(self), size, dtype, settings, topology.memory))
+        require_same(world, "allreducer settings",
+                     {"algorithm": self.name, "size": int(size), "dtype": np.dtype(dtype).name, **settings.agreed()})
+        self.settings = settings
+        self.options = dict(settings.options)
         self.topology = topology
         self.memory = topology.memory
         self.xp = self.memory.xp
@@ -126,27 +94,21 @@ class Allreducer:
         self.dtype = sum_dtype(dtype)
         # A 16-bit gradient widened, then reduced in place (one array for every call).
         self._wide = None if self.dtype == self.grad_dtype else self.xp.empty(self.size, self.dtype)
-        self.density = float(density)  # a call's unless it asks for another, up to max_density
-        self.max_density = float(max_density)
-        self.call_density = CallDensity(self.density, self.max_density)
-        self.selector_name = selector
-        self.selector_options = dict(selector_options or {})
-        self.error_feedback = bool(error_feedback)
+        self.density = float(settings.density)  # a call's unless it asks for another, up to max_density
+        self.max_density = float(settings.max_density)
+        self.error_feedback = bool(settings.error_feedback)
         self.feedback = ErrorFeedback(self.error_feedback, self.xp, self.dtype)
-        self.average = bool(average)
-        self.shared_buffer = shared_buffer
-        self.codec = make_codec(values, self.dtype, self.xp)
-        self.index_codec = indices
+        self.codec = make_codec(settings.values, self.dtype, self.xp)
         self._buffer: Any = None  # see ``buffer``
         self.reduce_scatter: Any = None  # the node's, for algorithms that make one (``node_collectives``)
         self.allgather: Any = None
         self._code = np.zeros(2, dtype=np.int64)  # this rank's problems (checks.PROBLEMS), its call's density's bits
-        self._out: Any = None
         self._codes = np.zeros((world.size, 2), dtype=np.int64)
         self.last: Dict[str, float] = self._fresh_ledger()
         self.world = self.channel(world, spans_nodes=True)
         # What the first call compiles: its waits are patient, once per process.
-        self._kernels = (self.name, selector, self.dtype.str, self.grad_dtype.str, values, indices, self.memory.kind)
+        self._kernels = (self.name, settings.selector, self.dtype.str, self.grad_dtype.str, settings.values,
+                         settings.indices, self.memory.kind)
 
     # -- construction helpers for subclasses -------------------------------------------
     def channel(self, comm: MPI.Comm, spans_nodes: bool) -> Channel:
@@ -164,7 +126,7 @@ class Allreducer:
         self.local = self.channel(self.topology.local, spans_nodes=False)
         self.counts = self.topology.local_shard_counts(self.size)
         shares_memory = self.topology.local_shares_memory and self.memory.in_host_memory
-        in_place = self.shared_buffer and self._wide is None  # a 16-bit gradient is widened elsewhere
+        in_place = self.settings.shared_buffer and self._wide is None  # a 16-bit gradient is widened elsewhere
         self.reduce_scatter, self.allgather = node_collectives(self.local, self.counts, self.dtype, shares_memory,
                                                                in_place)
         self._buffer = self.reduce_scatter.buffer  # None: plain memory, made when asked for
@@ -176,23 +138,23 @@ class Allreducer:
 
     def top_k(self, span: int) -> TopK:
         """The compressor of one selection site, a span of ``span`` elements."""
-        selector = self.memory.selector(self.selector_name, self.selector_options)
-        return TopK(selector, span, self.call_density, self.feedback, self.memory, self.last)
+        selector = self.memory.selector(self.settings.selector, dict(self.settings.selector_options))
+        return TopK(selector, span, self.max_density, self.memory, self.last)
 
     def pair_exchange(self, channel: Channel, topk: TopK) -> PairExchange:
         """The exchange over ``channel`` of the pairs ``topk`` picks (a call's k a
         rank, positions within its span), through this allreducer's value and
         index codecs; what the value codec rounds away goes back to error feedback."""
         def layout_of(k: int) -> PairLayout:
-            return PairLayout(k, self.dtype, self.xp, self.codec, make_index_codec(self.index_codec, k, topk.span,
-                                                                                    self.xp))
+            return PairLayout(k, self.dtype, self.xp, self.codec,
+                              make_index_codec(self.settings.indices, k, topk.span, self.xp))
 
-        return PairExchange(channel, topk.k_most, layout_of, self.feedback)
+        return PairExchange(channel, topk.k_most, layout_of)
 
-    def output(self, zeroed: bool) -> Any:
-        """The result array: the caller's ``out`` or a new one, zero-filled when
+    def output(self, call: Call, zeroed: bool) -> Any:
+        """The result array: the call's ``out`` or a new one, zero-filled when
         the algorithm writes only some positions."""
-        out = self._out
+        out = call.out
         if zeroed:
             passes.book("zero-fill", 0, self.size)
         if out is None:
@@ -201,18 +163,11 @@ class Allreducer:
             out.fill(0)
         return out
 
-    def result_is(self, grad: Any) -> bool:
-        """Whether the result array is ``grad`` itself (``out=grad``, as a
-        training loop reduces in place): a selection that reads ``grad`` for
-        the last time may then zero it as it goes, instead of ``output``
-        zero-filling it in a pass of its own (``output(zeroed=False)``)."""
-        return self._out is grad
-
     def averaged(self, values: Any) -> Any:
         """Divide by the world size in place when averaging. Each algorithm calls
         it where the fewest values are in hand (the k selected pairs, or a shard
         before it is shared): the bits are those of dividing the whole sum."""
-        if self.average and self.world.size > 1:
+        if self.settings.average and self.world.size > 1:
             values /= self.world.size
         return values
 
@@ -292,33 +247,25 @@ class Allreducer:
         grad, back = self.memory.adopt(given_grad)
         if given_out is not None:
             out = grad if given_out is given_grad else self.memory.adopt(given_out)[0]
-        self._check(grad, out, given_out is not None, state, self.density if density is None else density, finite)
+        density = self.density if density is None else density
+        self._check(grad, out, given_out is not None, state, density, finite)
+        density = float(density)
         self.last["t_check"] = self.memory.now() - start
-        held = self.feedback.state
-        if state is not None:
-            self.feedback.state = state
-        if density is not None:
-            self.call_density.now = float(density)
+        feedback = self.feedback if state is None else self.feedback.on_residual(state)
         try:
             if self._wide is None:
-                self._out = out
-                result = self._reduce(grad)
+                result = self._reduce(grad, Call(out, feedback, density))
             else:
                 if not self.widens_in_sweep:
                     self._wide[...] = grad
                     passes.book("widen", grad.size, grad.size)
                     grad = self._wide
-                self._out = self._wide
-                result = self._narrowed(self._reduce(grad), out)
-            self._out = None  # the caller's buffer is not kept between calls
+                result = self._narrowed(self._reduce(grad, Call(self._wide, feedback, density)), out)
         except BaseException:
             # Inputs were checked on every rank, so this is a failure of this rank
             # alone (a bug, memory, an interrupt) while the others wait in a
             # collective: end the whole job rather than leave them hanging.
             abort_job(self.topology.world, f"{self.name} allreduce")
-        finally:
-            self.feedback.state = held
-            self.call_density.now = self.density
         if math.isinf(self.last["threshold"]):  # nothing was selected: a dense method
             self.last["threshold"] = 0.0
         self.last["t_total"] = self.memory.now() - start
@@ -387,7 +334,7 @@ class Allreducer:
             self._buffer = None
 
     # -- internals ---------------------------------------------------------------------
-    def _reduce(self, grad: Any) -> Any:
+    def _reduce(self, grad: Any, call: Call) -> Any:
         raise NotImplementedError
 
     def _narrowed(self, wide: Any, out: Any) -> Any:

@@ -29,11 +29,10 @@ CODECS = {"values": ("dense", "hier_dense", "topka", "hitopk", "hitopk_leader"),
           "indices": ("topka", "hitopk", "hitopk_leader")}
 
 
-def settings_problem(cls: Any, size: Any, dtype: Any, density: Any, selector: str,
-                     selector_options: Dict[str, Any], shared_buffer: Any, codecs: Dict[str, Optional[str]],
-                     options: Dict[str, Any], memory: HostMemory, max_density: Any = None) -> Optional[str]:
+def settings_problem(cls: Any, size: Any, dtype: Any, settings: Any, memory: HostMemory) -> Optional[str]:
     """A message for the first bad setting of an allreducer of class ``cls``, or
-    None; ``options`` are its own, merged with their defaults."""
+    None; ``settings.options`` are its own, merged with their defaults."""
+    density, max_density, selector = settings.density, settings.max_density, settings.selector
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         return f"size must be a positive integer, got {size!r}"
     try:
@@ -53,23 +52,23 @@ def settings_problem(cls: Any, size: Any, dtype: Any, density: Any, selector: st
     if cls.sparse and size > MAX_SHARD:
         return f"size {size} exceeds {MAX_SHARD}: sparse indices travel as int32"
     try:  # built here on every rank, so that bad options are refused everywhere alike
-        memory.selector(selector, selector_options)
+        memory.selector(selector, dict(settings.selector_options))
     except (TypeError, ValueError) as error:
-        return f"selector {selector!r} refused its options {selector_options!r}: {error}"
-    if not isinstance(shared_buffer, bool):
-        return f"shared_buffer must be True or False, got {shared_buffer!r}"
+        return f"selector {selector!r} refused its options {dict(settings.selector_options)!r}: {error}"
+    if not isinstance(settings.shared_buffer, bool):
+        return f"shared_buffer must be True or False, got {settings.shared_buffer!r}"
     for setting, known in (("values", VALUES), ("indices", INDICES)):
-        given = codecs[setting]
+        given = getattr(settings, setting)
         if given is not None and given not in known:
             return f"{setting} must be one of {', '.join(known)}, got {given!r}"
         if given is not None and cls.name not in CODECS[setting]:
             return (f"{setting}={given!r}: {cls.name} takes no {setting} codec; "
                     f"{setting} codecs apply to {', '.join(CODECS[setting])}")
-    unknown = sorted(set(options) - set(cls.options))
+    unknown = sorted(set(settings.options) - set(cls.options))
     if unknown:
         return (f"{cls.name} takes no option {', '.join(map(repr, unknown))} "
                 f"(its options: {', '.join(cls.options) or 'none'})")
-    return cls.check_options(int(size), options)
+    return cls.check_options(int(size), dict(settings.options))
 
 
 # The per-call check: each problem is a bit, gathered from every rank.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Allreducer
+from .settings import Call
 from .sums import dense_sum
 
 
@@ -21,8 +22,8 @@ class DenseAllreducer(Allreducer):
         if self.codec.lossy:
             self.feedback.cover(0, self.size)
 
-    def _reduce(self, grad: Any) -> Any:
-        out = self.output(zeroed=False)
-        self.summed(self.feedback.add(grad), out, self.feedback)
+    def _reduce(self, grad: Any, call: Call) -> Any:
+        out = self.output(call, zeroed=False)
+        self.summed(call.feedback.add(grad), out, call.feedback)
         self.last["k"] = self.size
         return self.averaged(out)

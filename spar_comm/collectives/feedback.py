@@ -14,6 +14,7 @@ whole vector for ``topka``, the rank's region of the node's sum for
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Tuple
 
@@ -52,6 +53,15 @@ class ErrorFeedback:
     @property
     def residual(self) -> Any:
         return self.state.values
+
+    def on_residual(self, residual: "Residual") -> "ErrorFeedback":
+        """This feedback working on ``residual`` (a caller's, for one call)
+        instead of its own."""
+        if residual is self.state:
+            return self
+        bound = copy.copy(self)
+        bound.state = residual
+        return bound
 
     def add(self, fresh: Any, part: slice = slice(None)) -> Any:
         """``fresh`` plus the residual's ``part``, summed into it (the array to

@@ -17,6 +17,8 @@ from typing import Any, Tuple
 from ..kernels import sorted_distinct
 from .base import Allreducer
 from .pairs import PairLayout
+from .settings import Call
+from .topk import selection_size
 
 _TAG = 0x6770
 
@@ -28,7 +30,7 @@ class GTopKAllreducer(Allreducer):
     def __init__(self, topology, size, *args, **kwargs):
         super().__init__(topology, size, *args, **kwargs)
         self.topk = self.top_k(self.size)
-        self.layout = PairLayout(self.topk.k, self.dtype, self.xp)  # of the last call's k
+        self.layout = PairLayout(selection_size(self.density, self.size), self.dtype, self.xp)  # of the last call's k
         self.space = PairLayout(self.topk.k_most, self.dtype, self.xp).empty()  # room for a record of the most
         self.keep_largest = self.memory.selector("exact", {})  # the merge's pick
         self.feedback.cover(0, self.size)
@@ -37,9 +39,9 @@ class GTopKAllreducer(Allreducer):
     def widens_in_sweep(self) -> bool:
         return self.feedback.on and self.memory.in_host_memory
 
-    def _reduce(self, grad: Any) -> Any:
-        in_place = self.result_is(grad)  # then the sweep that reads grad zeroes it for the result
-        indices, values = self.topk.add_and_pick(grad, clear=in_place)
+    def _reduce(self, grad: Any, call: Call) -> Any:
+        in_place = call.output_is(grad)  # then the sweep that reads grad zeroes it for the result
+        indices, values = self.topk.add_and_pick(grad, call, clear=in_place)
         if self.layout.k != len(indices):  # this call's density is another than the last call's
             self.layout = PairLayout(len(indices), self.dtype, self.xp)
         buf = self.space[: self.layout.nbytes]
@@ -53,13 +55,13 @@ class GTopKAllreducer(Allreducer):
             if rank + step < p:
                 self.world.recv(buf, rank + step, _TAG)
                 theirs = self.layout.views(buf)
-                indices, values = self._merge(indices, values, theirs[1], theirs[0])
+                indices, values = self._merge(indices, values, theirs[1], theirs[0], call)
             step *= 2
         if rank == 0:
             self._pack(buf, indices, values)
         self.world.bcast(buf, root=0)
         values, indices = self.layout.views(buf)
-        out = self.output(zeroed=not in_place)
+        out = self.output(call, zeroed=not in_place)
         out[indices] = self.averaged(values)
         return out
 
@@ -68,7 +70,7 @@ class GTopKAllreducer(Allreducer):
         my_values[:] = values
         my_indices[:] = indices
 
-    def _merge(self, ia: Any, va: Any, ib: Any, vb: Any) -> Tuple[Any, Any]:
+    def _merge(self, ia: Any, va: Any, ib: Any, vb: Any, call: Call) -> Tuple[Any, Any]:
         """Sum two sets on the union of their indices; keep the k largest, and put
         the dropped partial sums into this rank's residual."""
         xp = self.xp
@@ -81,7 +83,7 @@ class GTopKAllreducer(Allreducer):
         if self.error_feedback:
             dropped = xp.ones(union.size, dtype=bool)
             dropped[keep] = False
-            self.feedback.residual[union[dropped]] += summed[dropped]
+            call.feedback.residual[union[dropped]] += summed[dropped]
         self.last["t_select"] += self.memory.now() - start
         return union[keep], summed[keep]
 

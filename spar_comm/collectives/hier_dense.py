@@ -11,6 +11,7 @@ from typing import Any
 
 from ..topology import shard_bounds
 from .base import Allreducer
+from .settings import Call
 from .sums import dense_sum
 
 
@@ -29,15 +30,15 @@ class HierDenseAllreducer(Allreducer):
         if self.codec.lossy:
             self.feedback.cover(self.lo, self.lo + self.counts[self.local.rank])
 
-    def _reduce(self, grad: Any) -> Any:
+    def _reduce(self, grad: Any, call: Call) -> Any:
         region = self.allgather.region  # my shard of the result
         self.reduce_scatter(grad, region)
-        acc = self.feedback.add(region)  # the region itself unless a residual is kept
+        acc = call.feedback.add(region)  # the region itself unless a residual is kept
         for part, summed in self.rails:
             mine = region[part]
-            summed(mine if acc is region else acc[part], mine, self.feedback)
+            summed(mine if acc is region else acc[part], mine, call.feedback)
         self.averaged(region)
-        out = self.output(zeroed=False)
+        out = self.output(call, zeroed=False)
         self.allgather(out)
         self.last["k"] = self.size
         return out

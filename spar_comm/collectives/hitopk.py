@@ -20,6 +20,7 @@ import numpy as np
 from ..kernels import passes, sorted_distinct
 from ..topology import shard_bounds
 from .base import WHOLE_PASS_BEYOND, Allreducer
+from .settings import Call
 
 
 class _Site:
@@ -51,16 +52,16 @@ class HiTopKAllreducer(Allreducer):
     def widens_in_sweep(self) -> bool:
         return self.local.size == 1 and self.feedback.on and self.memory.in_host_memory
 
-    def _reduce(self, grad: Any) -> Any:
+    def _reduce(self, grad: Any, call: Call) -> Any:
         if self.local.size == 1:  # this rank is its node: its residual takes grad as topka's does
-            in_place = self.result_is(grad)  # the sites' sweeps zero grad, the whole of it, for the result
-            picks = [site.topk.add_and_pick(grad[site.lo : site.hi], slice(site.lo, site.hi), clear=in_place)
+            in_place = call.output_is(grad)  # the sites' sweeps zero grad, the whole of it, for the result
+            picks = [site.topk.add_and_pick(grad[site.lo : site.hi], call, slice(site.lo, site.hi), clear=in_place)
                      for site in self.sites]
-            out = self.output(zeroed=not in_place)  # grad (perhaps ``out``) was read for the last time above
-            touched = self._exchange(picks, out, self.feedback.residual)  # empty with feedback off
+            out = self.output(call, zeroed=not in_place)  # grad (perhaps ``out``) was read for the last time above
+            touched = self._exchange(picks, out, call, call.feedback.residual)  # empty with feedback off
             self.averaged_at(out, touched)
             return out
-        acc, picks = self._node_sum_and_picks(grad)
+        acc, picks = self._node_sum_and_picks(grad, call)
         gather = self.allgather
         reduced = gather.region  # zero but where the last call wrote
         if self._written.size > WHOLE_PASS_BEYOND * reduced.size:  # as in averaged_at
@@ -68,23 +69,23 @@ class HiTopKAllreducer(Allreducer):
             passes.book("zero-fill", 0, reduced.size)
         else:
             reduced[self._written] = 0
-        touched = self._exchange(picks, reduced, acc)
+        touched = self._exchange(picks, reduced, call, acc)
         self.averaged_at(reduced, touched)
         self._written = touched
-        out = self.output(zeroed=False)
+        out = self.output(call, zeroed=False)
         gather(out, sorted_distinct(touched) if gather.takes_positions else None)  # each position sent once
         return out
 
-    def _exchange(self, picks: list, region: Any, acc: Any) -> Any:
+    def _exchange(self, picks: list, region: Any, call: Call, acc: Any) -> Any:
         """Every site's rail Allgather of its picks, summed into ``region`` (mine),
         a lossy codec's rounding kept in ``acc``; returns the positions touched,
         with repeats (harmless: each is read, then written back)."""
         return self.xp.concatenate([
-            site.exchange(indices, values, region[site.lo : site.hi], acc[site.lo : site.hi]) + site.lo
+            site.exchange(indices, values, region[site.lo : site.hi], call.feedback, acc[site.lo : site.hi]) + site.lo
             for site, (indices, values) in zip(self.sites, picks)
         ])
 
-    def _node_sum_and_picks(self, grad: Any) -> Tuple[Any, list]:
+    def _node_sum_and_picks(self, grad: Any, call: Call) -> Tuple[Any, list]:
         """My region of the node's sum plus my residual (the array selected
         from), and each site's picks. Where the node's parts of my region come
         whole and a residual takes them, each site's candidate pass rides on
@@ -92,16 +93,17 @@ class HiTopKAllreducer(Allreducer):
         where the sum, and then a selector's candidates (and ``mstopk``'s
         statistics), would each make one."""
         if self.error_feedback:  # summed straight into the residual: one pass fewer
-            acc = self.feedback.residual
+            acc = call.feedback.residual
             if self.memory.in_host_memory and self.reduce_scatter.sums_whole and all(
                     site.hi > site.lo for site in self.sites):
                 picks: list = []
                 self.reduce_scatter(grad, acc, accumulate=True, summed=lambda parts: picks.extend(
-                    site.topk.add_and_pick(tuple(part[site.lo : site.hi] for part in parts), slice(site.lo, site.hi))
+                    site.topk.add_and_pick(tuple(part[site.lo : site.hi] for part in parts), call,
+                                           slice(site.lo, site.hi))
                     for site in self.sites))
                 return acc, picks
             self.reduce_scatter(grad, acc, accumulate=True)
         else:
             acc = self.node_sum
             self.reduce_scatter(grad, acc)
-        return acc, [site.topk(acc[site.lo : site.hi]) for site in self.sites]
+        return acc, [site.topk(acc[site.lo : site.hi], call) for site in self.sites]

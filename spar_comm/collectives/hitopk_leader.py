@@ -12,6 +12,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .base import Allreducer
+from .settings import Call
 
 
 class HiTopKLeaderAllreducer(Allreducer):
@@ -29,14 +30,14 @@ class HiTopKLeaderAllreducer(Allreducer):
             self.exchange = self.pair_exchange(leaders, self.topk)
             self.feedback.cover(0, self.size)
 
-    def _reduce(self, grad: Any) -> Any:
+    def _reduce(self, grad: Any, call: Call) -> Any:
         node_sum = self.node_sum if self.is_leader else None
         self.local.reduce(grad, node_sum)
-        out = self.output(zeroed=self.is_leader)
+        out = self.output(call, zeroed=self.is_leader)
         if self.is_leader:
-            acc = self.feedback.add(node_sum)
-            indices, values = self.topk(acc)
-            touched = self.exchange(indices, values, out, acc)
+            acc = call.feedback.add(node_sum)
+            indices, values = self.topk(acc, call)
+            touched = self.exchange(indices, values, out, call.feedback, acc)
             self.averaged_at(out, touched)
         self.local.bcast(out)
         return out

@@ -77,16 +77,16 @@ class PairExchange:
     longer, whatever the codecs. ``layout_of(k)`` makes the record of k
     pairs (a value codec and an index codec of ``codecs.py``)."""
 
-    def __init__(self, channel, k_most: int, layout_of: Callable[[int], PairLayout], feedback: Any = None):
-        self.channel, self.feedback, self.layout_of = channel, feedback, layout_of
+    def __init__(self, channel, k_most: int, layout_of: Callable[[int], PairLayout]):
+        self.channel, self.layout_of = channel, layout_of
         self.layout = layout_of(k_most)
         self.sendbuf = self.layout.empty()
         self.recvbuf = self.layout.empty(channel.size)
 
-    def __call__(self, indices: Any, values: Any, out: Any, acc: Any = None) -> Any:
+    def __call__(self, indices: Any, values: Any, out: Any, feedback: Any, acc: Any) -> Any:
         """Add every rank's pairs into ``out``; return the indices touched. What a
         lossy codec rounded away from this rank's ``values`` goes back to the
-        residual ``acc`` at ``indices`` (``ErrorFeedback.keep_rounding``)."""
+        residual ``acc`` at ``indices`` (``feedback.keep_rounding``)."""
         if len(indices) != self.layout.k:
             self.layout = self.layout_of(len(indices))
         layout, records = self.layout, self.channel.size
@@ -95,6 +95,6 @@ class PairExchange:
         self.channel.allgather(sendbuf, recvbuf)
         all_values, all_indices = layout.read_all(recvbuf, records)
         scatter_add(out, all_indices, all_values)
-        if self.feedback is not None and layout.codec.lossy:  # this rank's values, decoded with the rest
-            self.feedback.keep_rounding(acc, indices, values, all_values[self.channel.rank])
+        if layout.codec.lossy:  # this rank's values, decoded with the rest
+            feedback.keep_rounding(acc, indices, values, all_values[self.channel.rank])
         return all_indices.ravel()

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..consensus import raise_if_any
 from .base import Allreducer
+from .settings import Call
 
 #: The seed of the first Q, the same on every rank.
 SEED = 0
@@ -104,9 +105,9 @@ class PowerSGDAllreducer(Allreducer):
                 return f"shapes cover {total} elements, the gradient has {size}"
         return None
 
-    def _reduce(self, grad: Any) -> Any:
+    def _reduce(self, grad: Any, call: Call) -> Any:
         xp = self.xp
-        m_all = self.feedback.add(grad)  # M = gradient + residual, every matrix at once
+        m_all = call.feedback.add(grad)  # M = gradient + residual, every matrix at once
         matrices = [m_all[o : o + r * c].reshape(r, c) for o, r, c in self.matrices]
         ps, qs = split(self.p_all, self.p_shapes), split(self.q_all, [q.shape for q in self.q])
         for m, q, p in zip(matrices, self.q, ps):
@@ -118,7 +119,7 @@ class PowerSGDAllreducer(Allreducer):
             q[...] = m.T @ p
         mine = split(self.q_all.copy(), [q.shape for q in self.q]) if self.error_feedback else None
         self.world.allreduce(self.q_all)
-        out = self.output(zeroed=False)  # grad (perhaps ``out``) is read below only where out is not written
+        out = self.output(call, zeroed=False)  # grad (perhaps ``out``) is read below only where out is not written
         for i, ((o, r, c), m, p, q) in enumerate(zip(self.matrices, matrices, ps, qs)):
             if mine is not None:
                 m -= p @ mine[i].T  # the residual keeps what this rank's share did not carry

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Allreducer
+from .settings import Call
 
 
 class TopKAllgatherAllreducer(Allreducer):
@@ -26,10 +27,10 @@ class TopKAllgatherAllreducer(Allreducer):
     def widens_in_sweep(self) -> bool:
         return self.feedback.on and self.memory.in_host_memory
 
-    def _reduce(self, grad: Any) -> Any:
-        in_place = self.result_is(grad)  # then the sweep that reads grad zeroes it for the result
-        indices, values = self.topk.add_and_pick(grad, clear=in_place)
-        out = self.output(zeroed=not in_place)
-        touched = self.exchange(indices, values, out, self.feedback.residual)
+    def _reduce(self, grad: Any, call: Call) -> Any:
+        in_place = call.output_is(grad)  # then the sweep that reads grad zeroes it for the result
+        indices, values = self.topk.add_and_pick(grad, call, clear=in_place)
+        out = self.output(call, zeroed=not in_place)
+        touched = self.exchange(indices, values, out, call.feedback, call.feedback.residual)
         self.averaged_at(out, touched)
         return out

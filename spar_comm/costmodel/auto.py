@@ -20,7 +20,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from .. import collectives
-from ..collectives import AUTO, Allreducer
+from ..collectives import AUTO, Allreducer, Settings
 from ..consensus import raise_if_any, require_same
 from ..topology import Topology
 from . import calibrate, fastest, predict, probe
@@ -125,15 +125,66 @@ def choice(topology: Topology, pricing: Pricing, size: Any, dtype: Any, density:
     return chosen
 
 
-def make_allreducer(algorithm: str, topology: Topology, size: int, dtype: Any = "float32", density: float = 0.001,
-                    selector: str = "mstopk", *, pricing: Optional[Pricing] = None, **settings: Any) -> Allreducer:
-    """``collectives.make_allreducer``, where ``algorithm="auto"`` takes the
-    one ``pricing`` chooses (priced now when not given: pass the job's to
-    price once). Collective."""
+def make_allreducer(
+    algorithm: str,
+    topology: Topology,
+    size: int,
+    dtype: Any = "float32",
+    density: float = 0.001,
+    selector: str = "mstopk",
+    error_feedback: bool = True,
+    average: bool = True,
+    selector_options: Optional[Dict[str, Any]] = None,
+    shared_buffer: bool = False,
+    values: Optional[str] = None,
+    indices: Optional[str] = None,
+    max_density: Optional[float] = None,
+    *,
+    pricing: Optional[Pricing] = None,
+    **options: Any,
+) -> Allreducer:
+    """An allreducer of ``algorithm`` for flat gradients of ``size`` elements.
+
+    Args:
+        algorithm: one of ``spar_comm.ALGORITHMS``, or ``"auto"``: the one
+            ``pricing`` predicts fastest (priced now when not given; pass the
+            job's, to price once).
+        topology: the ranks and how they sit on nodes.
+        size, dtype: the flat gradient's (float32, float64, float16, bfloat16).
+        density: the fraction selected; ``max_density`` (default ``density``)
+            the most a call may ask for (``allreduce(density=)``).
+        values, indices: the codecs of the messages (``codecs.VALUES``;
+            ``indices="auto"`` picks int32, 16-bit gaps or a bitmap).
+        shared_buffer: ``.buffer`` in the node's shared memory where the
+            algorithm reads it there.
+        options: the algorithm's own (``powersgd``: ``rank``, ``shapes``).
+
+    Returns:
+        An ``Allreducer``; its settings are ``.settings``.
+
+    Raises:
+        ConfigError: on every rank, for a bad or disagreeing setting.
+
+    Example:
+        >>> reducer = make_allreducer("hitopk", Topology(MPI.COMM_WORLD), grad.size, density=0.01)
+        >>> mean = reducer.allreduce(grad)
+
+    Collective: every rank of ``topology.world`` calls it.
+    """
+    settings = Settings(density=density, selector=selector, error_feedback=error_feedback, average=average,
+                        selector_options=dict(selector_options or {}), shared_buffer=shared_buffer, values=values,
+                        indices=indices, max_density=max_density, options=options)
+    return build_allreducer(algorithm, topology, size, dtype, settings, pricing)
+
+
+def build_allreducer(algorithm: str, topology: Topology, size: int, dtype: Any, settings: Settings,
+                     pricing: Optional[Pricing] = None) -> Allreducer:
+    """``make_allreducer`` from a settings value: ``auto`` resolved by
+    ``pricing``, then ``collectives.build``. Collective."""
     raise_if_any(topology.world, collectives.unknown_algorithm(algorithm))
     require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
     if algorithm == AUTO:
         pricing = pricing if pricing is not None else price(topology)
-        algorithm = choice(topology, pricing, size, dtype, density, selector, settings.get("values"),
-                           settings.get("indices"))
-    return collectives.make_allreducer(algorithm, topology, size, dtype, density, selector, **settings)
+        algorithm = choice(topology, pricing, size, dtype, settings.density, settings.selector, settings.values,
+                           settings.indices)
+    return collectives.build(algorithm, topology, size, dtype, settings)

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import waiting
-from ..collectives import make_allreducer
+from ..costmodel.auto import make_allreducer
 from ..memory import HostMemory
 from ..topology import Topology
 
