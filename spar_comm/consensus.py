@@ -7,7 +7,7 @@ never the hot path.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from mpi4py import MPI
 
@@ -15,15 +15,28 @@ from .errors import ConfigError
 
 
 def raise_if_any(comm: MPI.Comm, problem: Optional[str], error: type = ConfigError) -> None:
-    """Raise ``error`` on every rank when any rank reports a problem."""
+    """Raise ``error`` on every rank when any rank reports a problem, each
+    problem named once with the ranks that found it (a job of many ranks
+    that found the same reads it once)."""
     problems = comm.allgather(problem)
-    bad = [(rank, text) for rank, text in enumerate(problems) if text is not None]
-    if not bad:
+    by_text: Dict[str, List[int]] = {}
+    for rank, text in enumerate(problems):
+        if text is not None:
+            by_text.setdefault(text, []).append(rank)
+    if not by_text:
         return
-    texts = {text for _, text in bad}
-    if len(bad) == comm.size and len(texts) == 1:
-        raise error(bad[0][1])
-    raise error("; ".join(f"rank {rank}: {text}" for rank, text in bad))
+    if len(by_text) == 1 and len(next(iter(by_text.values()))) == comm.size:
+        raise error(next(iter(by_text)))
+    raise error("; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in by_text.items()))
+
+
+def _ranks(ranks: List[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]} to {ranks[-1]}"
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"ranks {shown}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def require_same(comm: MPI.Comm, what: str, settings: Mapping[str, Any]) -> None:

@@ -384,25 +384,22 @@ def test_rank_0s_torch_save_loaded_by_every_rank_is_refused_naming_the_ways_that
 
 
 @pytest.mark.mpi(min_size=1)
-def test_a_state_of_format_1_with_every_ranks_residuals_still_loads(topology):
-    """The previous layout (every rank's residuals, a list by rank), as a job
-    saved it: each rank takes its own entry and the run resumes to the bits
-    of the run that never stopped."""
-    straight, saved_model, saved_opt, opt = straight_and_saved(topology)
-    entry = saved_opt["spar_comm"]
-    mine = entry.pop("residuals")[f"rank{COMM.rank}"]
-    mine = [(tuple(mine[f"bucket{i}"][0].tolist()), mine[f"bucket{i}"][1]) for i in range(len(mine))]
-    entry.pop("stateful_parameters")
-    entry.update(format=1, residuals=COMM.allgather(mine))
-    assert_all(COMM, len(set(map(repr, COMM.allgather(entry["residuals"])))) == 1, "format 1 is every rank's")
-    kept = residuals_of(opt)
+def test_a_state_of_an_unread_format_is_refused_by_name(topology):
+    """Formats 1 (every rank's residuals, a list by rank) and 2 were never
+    released: such a state is refused on every rank, naming its format and
+    the one read, and nothing is loaded."""
+    _, _, saved_opt, _ = straight_and_saved(topology)
     net, opt = make_run(topology, seed=1)
-    net.load_state_dict(saved_model)
-    opt.load_state_dict(saved_opt)
-    assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(residuals_of(opt), kept)), "not this rank's residuals")
-    train_steps(net, opt, range(3, 6))
-    resumed = torch.cat([p.detach().flatten() for p in net.parameters()]).numpy()
-    assert_all(COMM, np.array_equal(straight, resumed), "resumed run differs from the one that never stopped")
+    before = residuals_of(opt)
+    for old in (1, 2):
+        saved_opt["spar_comm"]["format"] = old
+        with pytest.raises(ConfigError) as refused:
+            opt.load_state_dict(saved_opt)
+        message = str(refused.value)
+        assert_all(COMM, len(set(COMM.allgather(message))) == 1, "the ranks were told different things")
+        assert f"is of format {old}, which this version does not read: it reads format {sct.STATE_FORMAT}" in message
+        assert_all(COMM, all(np.array_equal(a, b) for a, b in zip(residuals_of(opt), before)),
+                   "a refused load changed a residual")
 
 
 @pytest.mark.mpi(min_size=2)

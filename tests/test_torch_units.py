@@ -6,13 +6,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
 import spar_comm.torch as sct  # noqa: E402
 from spar_comm import ConfigError  # noqa: E402
 from spar_comm.memory import HOST  # noqa: E402
-from spar_comm.torch.optimizer import _device_problem  # noqa: E402
+from spar_comm.torch.buckets import device_problem  # noqa: E402
+from spar_comm.torch.engine import InOrder  # noqa: E402
 from spar_comm.torch.streams import NoStreams, streams_for, tensor_device  # noqa: E402
 from spar_comm.torch.world import rank_problem  # noqa: E402
 
@@ -26,16 +29,16 @@ def on(device: str):
 
 
 def test_parameters_must_be_on_the_ranks_gpu():
-    assert _device_problem([("w", on("cuda:0"))], GPU0) is None
-    assert "is on cuda:1, but this rank's GPU is cuda:0" in _device_problem([("w", on("cuda:1"))], GPU0)
-    assert "takes parameters on cuda:0" in _device_problem([("w", on("cpu"))], GPU0)
+    assert device_problem([("w", on("cuda:0"))], GPU0) is None
+    assert "is on cuda:1, but this rank's GPU is cuda:0" in device_problem([("w", on("cuda:1"))], GPU0)
+    assert "takes parameters on cuda:0" in device_problem([("w", on("cpu"))], GPU0)
 
 
 def test_cpu_and_simulated_gpu_take_cpu_parameters():
-    assert _device_problem([("w", on("cpu"))], HOST) is None
-    assert _device_problem([("w", on("cpu"))], SIMULATED) is None
-    assert "need Topology(device='gpu')" in _device_problem([("w", on("cuda:0"))], HOST)
-    assert "gpu-simulator takes CPU tensors" in _device_problem([("w", on("cuda:0"))], SIMULATED)
+    assert device_problem([("w", on("cpu"))], HOST) is None
+    assert device_problem([("w", on("cpu"))], SIMULATED) is None
+    assert "need Topology(device='gpu')" in device_problem([("w", on("cuda:0"))], HOST)
+    assert "gpu-simulator takes CPU tensors" in device_problem([("w", on("cuda:0"))], SIMULATED)
 
 
 def test_only_a_real_gpu_has_streams():
@@ -123,3 +126,19 @@ def test_the_torch_transport_refuses_a_buffer_it_could_only_copy():
     whole = np.arange(10, dtype=np.float32)
     assert _tensor([whole, 8, MPI.BYTE]).data_ptr() == whole.ctypes.data  # the same memory, its first 8 bytes
     assert _tensor([whole, 8, MPI.BYTE]).numel() == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=4), st.randoms())
+def test_in_order_releases_each_round_in_index_order_whatever_the_arrival(rounds, rng):
+    """Rounds of buckets arriving shuffled (the last index anywhere in its
+    round) come out 0, 1, ..., n-1 per round, each item once: the order every
+    rank's collectives follow."""
+    order, released = InOrder(), []
+    for n in rounds:
+        arrivals = list(range(n))
+        rng.shuffle(arrivals)
+        for index in arrivals:
+            released += order.arrived(index, (len(released), index), last=index == n - 1)
+        assert order.next == 0
+    assert [index for _, index in released] == [i for n in rounds for i in range(n)]

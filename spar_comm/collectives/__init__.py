@@ -15,7 +15,7 @@ from .hier_dense import HierDenseAllreducer
 from .hitopk import HiTopKAllreducer
 from .hitopk_leader import HiTopKLeaderAllreducer
 from .powersgd import PowerSGDAllreducer
-from .settings import Call, Settings
+from .settings import Settings
 from .topka import TopKAllgatherAllreducer
 
 #: Algorithm name -> class.

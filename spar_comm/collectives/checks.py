@@ -9,7 +9,7 @@ waiting in a collective.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 import numpy as np

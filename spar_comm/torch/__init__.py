@@ -15,11 +15,13 @@ Two ways in, each a few lines in an existing script:
 CUDA tensors go through the allreducers' GPU path, ordered by CUDA events
 (``streams.py``). torch is imported only in this package.
 """
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpoint import Resumed, load_checkpoint, save_checkpoint
 from .ddp import HookState, comm_hook
-from .optimizer import (STATE_FORMAT, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
-                        local_device, rank, size)
+from .optimizer import DistributedOptimizer
 from .process_group import destroy_process_group, init_process_group
+from .state import STATE_FORMAT
+from .world import local_device, rank, size
 
 __all__ = ["DistributedOptimizer", "HookState", "Resumed", "STATE_FORMAT", "broadcast_optimizer_state",
            "broadcast_parameters", "comm_hook", "destroy_process_group", "init_process_group", "load_checkpoint",

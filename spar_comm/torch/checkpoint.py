@@ -52,9 +52,10 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from .. import redistribute, waiting
-from .ddp import HOOK_STATE_FORMAT, HookState, _own_hook_residuals
-from .optimizer import STATE_FORMAT, _DistributedOptimizer, _own_state
-from .state import agree, rank_key
+from ..consensus import raise_if_any
+from .ddp import HookState
+from .optimizer import _DistributedOptimizer
+from .state import HOOK_STATE_FORMAT, STATE_FORMAT, hook_residuals, optimizer_residuals, rank_key
 from .world import job_comm
 
 #: The file naming a directory's committed save.
@@ -161,9 +162,9 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
         found, problem = committed(path), None
     except ConfigError as error:
         found, problem = None, str(error)
-    agree(comm, problem)
+    raise_if_any(comm, problem)
     if any(comm.allgather(found is None)):
-        agree(comm, None if found is None else f"other ranks find no committed save in {path}: do all ranks see "
+        raise_if_any(comm, None if found is None else f"other ranks find no committed save in {path}: do all ranks see "
                                                 "one file system?")
         return None
     checkpoint, step = found
@@ -178,7 +179,7 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
     saved = None
     if problem is None:
         saved, problem = _saved_world(checkpoint, keys, ours)
-    agree(comm, problem)
+    raise_if_any(comm, problem)
     saved = comm.size if saved is None else saved
     with waiting.watched(f"loading the checkpoint {checkpoint}", comm):  # as save_checkpoint's
         if saved == comm.size:
@@ -257,7 +258,7 @@ def _hook_share(hook: HookState, loaded: Dict[str, Any], saved: int) -> Dict[str
     by_rank: List[Dict[Tuple[int, int], np.ndarray]] = []
     problem = None
     for r in range(saved):
-        mine, problem = _own_hook_residuals(loaded, r, saved)
+        mine, problem = hook_residuals(loaded, r, saved)
         if problem is not None:
             break
         by_rank.append(mine)
@@ -273,7 +274,7 @@ def _hook_share(hook: HookState, loaded: Dict[str, Any], saved: int) -> Dict[str
             dtype = next(r[coordinate].dtype for r in by_rank if coordinate in r)
             share[coordinate] = redistribute.redistributed(comm.rank, [(0, n)] * comm.size, spans,
                                                            lambda r: by_rank[r][coordinate], dtype)
-    agree(comm, problem)
+    raise_if_any(comm, problem)
     mine = tuple((b, p, torch.from_numpy(values)) for (b, p), values in sorted(share.items()))
     return {"format": HOOK_STATE_FORMAT, "world_size": comm.size, "algorithm": loaded.get("algorithm"),
             "residuals": {rank_key(comm.rank): mine}}
@@ -303,7 +304,7 @@ def _optimizer_share(opt: _DistributedOptimizer, loaded: Dict[str, Any], saved: 
     problem, shares = None, {}
     by_rank = []
     for r in range(saved):
-        parsed, problem = _own_state(entry, r, saved, signature)
+        parsed, problem = optimizer_residuals(entry, r, saved, signature)
         if problem is not None:
             break
         by_rank.append(parsed)
@@ -323,7 +324,7 @@ def _optimizer_share(opt: _DistributedOptimizer, loaded: Dict[str, Any], saved: 
         shares[f"bucket{i}"] = (torch.tensor(new_spans[comm.rank], dtype=torch.int64),
                                 torch.from_numpy(redistribute.redistributed(comm.rank, new_spans, saved_spans, read,
                                                                             dtype)))
-    agree(comm, problem)
+    raise_if_any(comm, problem)
     # The allreducers here hold the new world's spans; the residuals were put in them.
     share = dict(entry, format=STATE_FORMAT, world_size=comm.size, residuals={rank_key(comm.rank): shares},
                  algorithms=[b.reducer.name for b in opt.buckets])

@@ -31,27 +31,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
-from ..collectives import AUTO
-from ..costmodel import auto
+from ..collectives import Allreducer
 from ..consensus import raise_if_any, require_same
-from ..errors import NonFiniteGradientError, SparCommError
-from ..launch import abort_job
+from ..costmodel import auto
+from ..errors import SparCommError
 from ..topology import Topology
 from .backward_end import EndOfBackward, after_queued
 from .comm_thread import CommThread
-from .optimizer import non_finite_problem
-from .state import OTHER_WORLD, agree, own_residuals, rank_key
-from .streams import NoStreams, as_array, as_tensor, streams_for
+from .engine import Engine, InOrder, Reduction, reduction_of
+from .state import HOOK_STATE_FORMAT, Coordinate, hook_residuals, rank_key
+from .streams import NoStreams, as_tensor, streams_for
 from .world import job_comm, require_job_world
-
-#: ``HookState.state_dict()["format"]``: bumped when the layout changes. 2: this
-#: rank's residuals only, ``residuals["rank{r}"]`` a tuple of (bucket, position,
-#: values); 1 (still loaded): every rank's, a list by rank of {coordinate: values}.
-HOOK_STATE_FORMAT = 2
-#: A parameter's coordinate: (bucket index, position) in the process's first iteration.
-Coordinate = Tuple[int, int]
 
 
 class _Job:
@@ -70,7 +61,7 @@ class _Job:
 class _Bucket:
     """A DDP bucket's allreducer and where its parameters lie in the buffer."""
 
-    def __init__(self, params: List[torch.Tensor], reducer: Any):
+    def __init__(self, params: List[torch.Tensor], reducer: Allreducer):
         self.params = params
         self.key = [id(p) for p in params]
         self.reducer = reducer
@@ -88,36 +79,41 @@ class HookState:
     parameter coordinates (see the module's docstring), between iterations;
     ``load_state_dict`` is collective."""
 
-    def __init__(self, algorithm: str, density: float, selector: str, topology: Optional[Topology], comm: Any,
-                 error_feedback: bool, non_finite: str, grad_scaler: Any, settings: Dict[str, Any]):
-        self.algorithm, self.selector = algorithm, selector
-        self.density = density  # the next iteration's (sparse buckets): settable between iterations
-        self._built_density = self._iteration_density = density  # what allreducers are made with; this iteration's
-        self.error_feedback = error_feedback
-        self.non_finite, self.grad_scaler = non_finite, grad_scaler
-        self._scale = 1.0  # the loss scale the residuals and the carry are in units of
-        self.settings = settings  # codecs and the algorithm's own options, for make_allreducer
-        self.pricing: Optional[auto.Pricing] = None  # what algorithm="auto" priced, on the first bucket
+    def __init__(self, reduction: Reduction, topology: Optional[Topology], comm: Any, grad_scaler: Any):
+        self.reduction = reduction
         self.topology = topology
         self._comm: Any = comm  # the ranks it works over (``world.job_comm``)
+        self._engine = Engine(reduction, comm, grad_scaler)
         self._streams: NoStreams = NoStreams() if topology is None else streams_for(topology.memory)
         self.buckets: Dict[int, _Bucket] = {}
         self._coordinates: Dict[int, Coordinate] = {}  # id(parameter) -> coordinate
         self._carry: Dict[int, torch.Tensor] = {}  # id(parameter) -> residual held outside any allreducer
         self._loaded: Dict[Coordinate, np.ndarray] = {}  # residuals loaded, waiting for their parameter
-        self._waiting: Dict[int, _Job] = {}
-        self._next = 0  # the bucket index to reduce next
+        self._order = InOrder()  # the hook's buckets, reduced in index order
         self._busy = 0  # jobs handed over and not yet done with
         self._idle = threading.Condition()
         self._thread: Optional[CommThread] = None
-        self._errors: List[SparCommError] = []  # raised out of backward once DDP is done with it
         self._backward_end = EndOfBackward(lambda: after_queued(self._iteration_ended))  # after DDP's own
-        # Where an iteration may be skipped (GradScaler, non_finite="raise"): what its
-        # reductions found, put back if a bucket overflowed on any rank.
-        self._keep = grad_scaler is not None or non_finite == "raise"
-        self._kept: List[Tuple[_Bucket, Any]] = []  # (bucket, its residual before this iteration)
         self._taken: Dict[int, torch.Tensor] = {}  # id(parameter) -> carry taken this iteration
-        self._overflowed = False
+
+    @property
+    def algorithm(self) -> str:
+        return self.reduction.algorithm
+
+    @property
+    def density(self) -> float:
+        """The sparse buckets' density from the next iteration on: settable
+        between iterations, up to ``max_density``."""
+        return self._engine.density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        self._engine.density = value
+
+    @property
+    def pricing(self) -> Optional[auto.Pricing]:
+        """What ``algorithm="auto"`` priced, on the first bucket (None otherwise)."""
+        return self._engine.pricing
 
     # -- the hook (autograd's thread) ----------------------------------------------------
     def submit(self, bucket: Any) -> torch.futures.Future:
@@ -126,8 +122,7 @@ class HookState:
             if self.topology is None:  # collective, on every rank's first bucket (index order or not)
                 self.topology = Topology(self._comm, device="gpu" if buffer.is_cuda else "cpu")
                 self._streams = streams_for(self.topology.memory)
-            if self.algorithm == AUTO:  # collective: priced here, where every rank's backward waits for it
-                self.pricing = auto.price(self.topology)
+            self._engine.price(self.topology)  # collective: here, where every rank's backward waits for it
             self._thread = CommThread("spar_comm-ddp-hook", self._arrived)
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
         job = _Job(bucket, future, self._streams.produced())
@@ -147,51 +142,42 @@ class HookState:
         stays usable (a hook that raises, or a future that fails, would leave
         it broken for good)."""
         self._wait_idle()
-        if self._overflowed:
-            for bucket, kept in self._kept:
-                bucket.reducer.feedback.residual[...] = kept
+        if self._engine.overflowed:
             for key, values in self._taken.items():
                 self._carry[key] = self._carry[key] + values if key in self._carry else values
-        self._kept, self._taken, self._overflowed = [], {}, False
-        errors, self._errors = self._errors, []
+        self._taken = {}
+        errors = self._engine.end_step()
         if errors:
             raise errors[0]
 
     # -- the communication thread ---------------------------------------------------------
     def _arrived(self, job: _Job) -> None:
         """Run the buckets in index order, on every rank alike, whatever order DDP hands them over in."""
-        self._waiting[job.index] = job
-        while self._next in self._waiting:
-            ready = self._waiting.pop(self._next)
-            self._next = 0 if ready.is_last else self._next + 1
+        for ready in self._order.arrived(job.index, job, last=job.is_last):
             self._run(ready)
 
     def _run(self, job: _Job) -> None:
-        try:
-            with self._streams.communicating(job.produced):
-                if job.is_last:
-                    self._retire(lambda index: index > job.index)  # buckets DDP no longer has
-                if job.index == 0:  # the iteration's first bucket: none is being reduced
-                    self._kept, self._taken, self._overflowed = [], {}, False
-                    self._follow_scale()
-                    self._iteration_density = self.density
-                result = job.future.set_result, job.buffer
-                try:
-                    bucket = self._bucket(job)
-                    self._reduce(bucket, job)
-                except SparCommError as error:  # raised on every rank alike
-                    if job.to_future:
-                        result = job.future.set_exception, error
-                    else:  # DDP takes a NaN bucket and finishes; backward then raises the error
-                        self._errors.append(error)
-                        job.buffer.fill_(float("nan"))
-                with self._idle:  # done with this job before DDP, woken by the future, may ask for the state
-                    self._busy -= 1
-                    self._idle.notify_all()
-                result[0](result[1])
-        except BaseException:
-            # Not agreed between ranks (a bug, memory): the others would wait for ever.
-            abort_job(self._comm, f"spar_comm.torch DDP hook, bucket {job.index}")
+        with self._engine.job(f"spar_comm.torch DDP hook, bucket {job.index}", agreed=False), \
+                self._streams.communicating(job.produced):
+            if job.is_last:
+                self._retire(lambda index: index > job.index)  # buckets DDP no longer has
+            if job.index == 0:  # the iteration's first bucket: none is being reduced
+                self._taken = {}
+                self._engine.begin_step([b.reducer for b in self.buckets.values()], self._carry.values())
+            result = job.future.set_result, job.buffer
+            try:
+                bucket = self._bucket(job)
+                self._reduce(bucket, job)
+            except SparCommError as error:  # raised on every rank alike
+                if job.to_future:
+                    result = job.future.set_exception, error
+                else:  # DDP takes a NaN bucket and finishes; backward then raises the error
+                    self._engine.errors.append(error)
+                    job.buffer.fill_(float("nan"))
+            with self._idle:  # done with this job before DDP, woken by the future, may ask for the state
+                self._busy -= 1
+                self._idle.notify_all()
+            result[0](result[1])
 
     def _bucket(self, job: _Job) -> _Bucket:
         """The allreducer of this bucket, built (collectively) when DDP's bucket
@@ -205,10 +191,8 @@ class HookState:
         require_same(self.topology.world, f"DDP bucket {job.index}",
                      {"parameters": [(tuple(p.shape), str(p.dtype)) for p in job.params]})
         shapes = {"shapes": [tuple(p.shape) for p in job.params]} if self.algorithm == "powersgd" else {}
-        reducer = auto.make_allreducer(self.algorithm, self.topology, job.buffer.numel(),
-                                       str(job.buffer.dtype).replace("torch.", ""), self._built_density, self.selector,
-                                       pricing=self.pricing, error_feedback=self.error_feedback, **self.settings,
-                                       **shapes)
+        reducer = self._engine.make(self.topology, job.buffer.numel(), str(job.buffer.dtype).replace("torch.", ""),
+                                    **shapes)
         bucket = self.buckets[job.index] = _Bucket(job.params, reducer)
         self._place(bucket)
         return bucket
@@ -216,32 +200,22 @@ class HookState:
     def _reduce(self, bucket: _Bucket, job: _Job) -> None:
         """Add the carried residuals of the bucket's parameters, then allreduce in place."""
         carried = [(i, self._carry[id(p)]) for i, p in enumerate(bucket.params) if id(p) in self._carry]
-        if self._keep and bucket.reducer.keeps_residual:
-            self._kept.append((bucket, bucket.reducer.feedback.residual.copy()))
         if carried:
             grads = job.buffer.clone()  # the carry is dropped only once the allreduce took it
             for i, values in carried:
                 bucket.residual_of(i, job.buffer).add_(values.to(job.buffer.dtype))
         try:
-            array = as_array(job.buffer)
-            bucket.reducer.allreduce(array, out=array,
-                                     density=self._iteration_density if bucket.reducer.sparse else None)
-        except NonFiniteGradientError:
-            self._overflowed = True
-            if carried:
-                job.buffer.copy_(grads)
-            if self.non_finite == "raise":
-                raise
-            job.buffer.fill_(float("nan"))  # a non-finite mean on every rank, as DDP's allreduce gives
-            return  # nothing was taken: residuals and carry stay as they were
+            reduced = self._engine.reduce(bucket.reducer, job.buffer)
         except SparCommError:
             if carried:
                 job.buffer.copy_(grads)
             raise
+        if not reduced:  # NaN on every rank: nothing was taken, residuals and carry stay as they were
+            return
         for i, values in carried:
             key = id(bucket.params[i])
             del self._carry[key]
-            if self._keep:
+            if self._engine.keep:
                 self._taken[key] = values
 
     # -- residuals in parameter coordinates ------------------------------------------------
@@ -249,7 +223,7 @@ class HookState:
         """Put the residuals loaded for the bucket's parameters where the new
         allreducer keeps them; carry the rest. Collective (every rank builds
         the same buckets at the same time)."""
-        if not self.error_feedback:
+        if not self.reduction.allreducer.error_feedback:
             return
         span, values = bucket.reducer.residual_state()
         full = np.zeros(bucket.reducer.size, dtype=values.dtype)
@@ -262,7 +236,7 @@ class HookState:
                 problem = (f"the hook state's residual at {self._coordinates[id(p)]} has {saved.size} values; "
                            f"the parameter there has {p.numel()} (another model or DDP bucket size?)")
                 break
-            bucket.residual_of(i, full)[...] = saved * self._scale  # saved in the gradients' own units
+            bucket.residual_of(i, full)[...] = saved * self._engine.scale  # saved in the gradients' own units
         raise_if_any(self.topology.world, problem)
         lo, hi = span
         kept = full[lo:hi].copy()
@@ -285,20 +259,6 @@ class HookState:
                         self._add_carry(p, values.clone())
             bucket.reducer.free()
 
-    def _follow_scale(self) -> None:
-        """Keep the residuals and the carry in the units of this iteration's
-        gradients, scaled by ``grad_scaler``'s current scale (which changes by
-        powers of two)."""
-        if self.grad_scaler is None:
-            return
-        scale = float(self.grad_scaler.get_scale())
-        if scale != self._scale:
-            for bucket in self.buckets.values():
-                bucket.reducer.feedback.rescale(scale / self._scale)
-            for values in self._carry.values():
-                values.mul_(scale / self._scale)
-            self._scale = scale
-
     def _add_carry(self, p: torch.Tensor, values: torch.Tensor) -> None:
         values = values.to(p.device)
         self._carry[id(p)] = self._carry[id(p)] + values if id(p) in self._carry else values
@@ -314,10 +274,10 @@ class HookState:
                     continue
                 full = bucket.reducer.memory.to_host(bucket.reducer.residual_full())
                 for i, p in enumerate(bucket.params):
-                    out[self._coordinates[id(p)]] = bucket.residual_of(i, full) / self._scale
+                    out[self._coordinates[id(p)]] = bucket.residual_of(i, full) / self._engine.scale
             for key, values in self._carry.items():
                 coordinate = self._coordinates[key]
-                host = values.detach().cpu().numpy() / self._scale
+                host = values.detach().cpu().numpy() / self._engine.scale
                 out[coordinate] = out[coordinate] + host if coordinate in out else host.copy()
         return out
 
@@ -338,20 +298,20 @@ class HookState:
             "format": HOOK_STATE_FORMAT,
             "world_size": self._comm.size,
             "algorithm": self.algorithm,
+            "settings": self.reduction.to_dict(),
             "residuals": {rank_key(self._comm.rank): mine},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Take this rank's residuals from what its ``state_dict()`` returned
-        in a job of the same size (from a state of format 1, which held every
-        rank's, this rank's entry). Each parameter's residual reaches the
+        in a job of the same size. Each parameter's residual reaches the
         allreducer of whichever bucket holds it next. Collective: a state that
         holds another rank's residuals (one rank's saved state loaded by every
         rank), or any mismatch on any rank, raises ConfigError on every rank,
         before anything is loaded."""
         self._wait_idle()
-        mine, problem = _own_hook_residuals(state, self._comm.rank, self._comm.size)
-        agree(self._comm, problem)
+        mine, problem = hook_residuals(state, self._comm.rank, self._comm.size)
+        raise_if_any(self._comm, problem)
         # What the state held is replaced: its allreducers are rebuilt on their
         # buckets' next calls and take the loaded residuals then.
         for bucket in self.buckets.values():
@@ -364,39 +324,6 @@ class HookState:
         (the last ones complete their futures a moment before it is done)."""
         with self._idle:
             self._idle.wait_for(lambda: self._busy == 0)
-
-
-def _own_hook_residuals(state: Any, rank: int, world_size: int) -> Tuple[Dict[Coordinate, np.ndarray], Optional[str]]:
-    """This rank's residuals by coordinate from a hook state of format 2 or 1, or why not."""
-    if not isinstance(state, dict) or state.get("format") not in (1, HOOK_STATE_FORMAT):
-        return {}, (f"the hook state has no format {HOOK_STATE_FORMAT} or 1 entry (was it saved by "
-                    "spar_comm.torch.comm_hook's state.state_dict()?)")
-    if state.get("world_size") != world_size:
-        return {}, (f"the hook state was saved by {state.get('world_size')} ranks; this job has {world_size}: "
-                    f"{OTHER_WORLD}")
-    if state["format"] == 1:  # every rank's, a list by rank of {coordinate: values}
-        everyone = state.get("residuals")
-        if not isinstance(everyone, list) or len(everyone) != world_size or not isinstance(everyone[rank], dict):
-            return {}, f"the hook state's residuals are not {world_size} mappings (one a rank)"
-        entries = [(*c, v) if isinstance(c, tuple) else None for c, v in everyone[rank].items()]
-    else:
-        entries, problem = own_residuals(state.get("residuals"), rank, world_size, "the hook state")
-        if problem is not None:
-            return {}, problem
-    mine: Dict[Coordinate, np.ndarray] = {}
-    for entry in entries if isinstance(entries, (tuple, list)) else [None]:
-        try:
-            bucket, position, values = entry
-            coordinate = (int(bucket), int(position))
-            array = np.array(torch.as_tensor(values).detach().cpu().numpy()).ravel()
-            ok = coordinate not in mine and bool(np.isfinite(array).all())
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            return {}, ("the hook state's residuals of this rank are not (bucket, position, finite values), "
-                        "one a parameter")
-        mine[coordinate] = array
-    return mine, None
 
 
 def _hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks annotations against its own types; these would be strings)
@@ -439,7 +366,7 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
     """
     comm = topology.world if topology is not None else job_comm(process_group, transport)
     require_job_world(comm, "spar_comm.torch.comm_hook")
-    raise_if_any(comm, non_finite_problem(non_finite))
-    settings = {"values": values, "indices": indices, **options}
-    state = HookState(algorithm, density, selector, topology, comm, error_feedback, non_finite, grad_scaler, settings)
-    return state, _hook
+    reduction = reduction_of(algorithm, non_finite, options, density=density, selector=selector,
+                             error_feedback=error_feedback, values=values, indices=indices)
+    raise_if_any(comm, reduction.problem())
+    return HookState(reduction, topology, comm, grad_scaler), _hook

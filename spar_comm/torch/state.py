@@ -1,4 +1,5 @@
-"""What the optimizer's and the DDP hook's state dicts share.
+"""The optimizer's and the DDP hook's state dicts: their formats, and the
+readers that take this rank's residuals from one, or say why not.
 
 Each rank's ``state_dict()`` holds its own residuals only, under a key that
 names the rank (``residuals["rank{r}"]``): ``torch.distributed.checkpoint``
@@ -11,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..consensus import raise_if_any
+import numpy as np
+import torch
+
+from .broadcast import first_difference
+from .buckets import flat
 
 #: Named wherever a state holding another rank's residuals is refused.
 SCALABLE_WAYS = (
@@ -26,6 +31,19 @@ OTHER_WORLD = ("spar_comm.torch.load_checkpoint(state, path) loads a checkpoint 
                "the residuals' total kept")
 
 
+#: ``DistributedOptimizer.state_dict()["spar_comm"]["format"]``: this rank's
+#: residuals only, ``residuals["rank{r}"]["bucket{i}"]`` a ``(span, values)``
+#: tuple of tensors, which torch.distributed.checkpoint saves whole, as one
+#: object, so that a template of another world (other spans) asks for no
+#: tensor of another size.
+STATE_FORMAT = 3
+#: ``HookState.state_dict()["format"]``: this rank's residuals only,
+#: ``residuals["rank{r}"]`` a tuple of (bucket, position, values).
+HOOK_STATE_FORMAT = 2
+#: A parameter's coordinate under the DDP hook: (bucket index, position) in the process's first iteration.
+Coordinate = Tuple[int, int]
+
+
 def rank_key(rank: int) -> str:
     """The key of rank ``rank``'s residuals in ``state_dict()["residuals"]``."""
     return f"rank{rank}"
@@ -34,7 +52,7 @@ def rank_key(rank: int) -> str:
 def own_residuals(residuals: Any, rank: int, world_size: int, what: str) -> Tuple[Any, Optional[str]]:
     """This rank's entry of a state's ``residuals`` (a mapping by ``rank_key``),
     or why there is none. The reason is the same on every rank given the same
-    wrong state, so that ``agree`` names it once."""
+    wrong state, so that ``raise_if_any`` names it once."""
     if not isinstance(residuals, Mapping):
         return None, f"{what}'s residuals are not a mapping by rank ('rank0', 'rank1', ...)"
     mine = residuals.get(rank_key(rank))
@@ -47,26 +65,72 @@ def own_residuals(residuals: Any, rank: int, world_size: int, what: str) -> Tupl
                   f"rank's: {SCALABLE_WAYS}")
 
 
-def agree(comm: Any, problem: Optional[str]) -> None:
-    """``raise_if_any`` with the ranks that found the same problem named
-    together, so that a job of many ranks reads each problem once."""
-    problems = comm.allgather(problem)
-    by_text: Dict[str, List[int]] = {}
-    for rank, text in enumerate(problems):
-        if text is not None:
-            by_text.setdefault(text, []).append(rank)
-    agreed = None
-    if len(by_text) == 1 and len(next(iter(by_text.values()))) == comm.size:
-        agreed = next(iter(by_text))
-    elif by_text:
-        agreed = "; ".join(f"{_ranks(ranks)}: {text}" for text, ranks in by_text.items())
-    raise_if_any(comm, agreed)
+def format_problem(saved: Any, fmt: int, world_size: int, what: str, made_by: str) -> Optional[str]:
+    """Why ``saved`` is no state of format ``fmt`` saved on ``world_size``
+    ranks, or None. A format that no release reads is refused by name."""
+    if not isinstance(saved, Mapping) or "format" not in saved:
+        return f"{what} has no spar_comm entry of format {fmt} (was it saved by {made_by}?)"
+    if saved["format"] != fmt:
+        return (f"{what} is of format {saved['format']!r}, which this version does not read: it reads format {fmt} "
+                f"(saved by {made_by})")
+    if saved.get("world_size") != world_size:
+        return f"{what} was saved by {saved.get('world_size')} ranks; this job has {world_size}: {OTHER_WORLD}"
+    return None
 
 
-def _ranks(ranks: List[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]} to {ranks[-1]}"
-    shown = ", ".join(map(str, ranks[:8]))
-    return f"ranks {shown}" + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+def optimizer_residuals(saved: Any, rank: int, world_size: int, signature: List) -> Tuple[List, Optional[str]]:
+    """This rank's residuals, ``((lo, hi), values)`` a bucket, from a saved
+    ``spar_comm`` entry of ``DistributedOptimizer.state_dict()``, or why they
+    cannot be loaded."""
+    problem = format_problem(saved, STATE_FORMAT, world_size, "the state_dict",
+                             "a DistributedOptimizer's state_dict()")
+    if problem is not None:
+        return [], problem
+    theirs = [[tuple((n, tuple(s), d)) for n, s, d in bucket] for bucket in saved.get("buckets", [])]
+    if theirs != [[tuple(e) for e in bucket] for bucket in signature]:
+        if len(theirs) != len(signature):
+            return [], f"the state_dict has {len(theirs)} gradient buckets; this optimizer has {len(signature)}"
+        return [], f"the state_dict's gradient buckets differ: {first_difference(flat(signature), flat(theirs))}"
+    buckets, problem = own_residuals(saved.get("residuals"), rank, world_size, "the state_dict")
+    if problem is not None:
+        return [], problem
+    if not isinstance(buckets, dict) or sorted(buckets) != sorted(f"bucket{i}" for i in range(len(signature))):
+        return [], f"the state_dict's residuals of this rank are not {len(signature)} buckets (bucket0, ...)"
+    out = []
+    for i in range(len(signature)):
+        try:
+            span, values = buckets[f"bucket{i}"]
+            lo, hi = (int(x) for x in (span.tolist() if isinstance(span, torch.Tensor) else span))
+            ok = isinstance(values, torch.Tensor) and values.dim() == 1 and len(values) == hi - lo
+            ok = ok and bool(torch.isfinite(values).all())
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return [], f"the state_dict's residual of this rank, bucket {i}, is not finite values for its span"
+        out.append(((lo, hi), values.detach().cpu().numpy()))
+    return out, None
+
+
+def hook_residuals(state: Any, rank: int, world_size: int) -> Tuple[Dict[Coordinate, np.ndarray], Optional[str]]:
+    """This rank's residuals by coordinate from a ``HookState.state_dict()``, or why not."""
+    problem = format_problem(state, HOOK_STATE_FORMAT, world_size, "the hook state",
+                             "spar_comm.torch.comm_hook's state.state_dict()")
+    if problem is not None:
+        return {}, problem
+    entries, problem = own_residuals(state.get("residuals"), rank, world_size, "the hook state")
+    if problem is not None:
+        return {}, problem
+    mine: Dict[Coordinate, np.ndarray] = {}
+    for entry in entries if isinstance(entries, (tuple, list)) else [None]:
+        try:
+            bucket, position, values = entry
+            coordinate = (int(bucket), int(position))
+            array = np.array(torch.as_tensor(values).detach().cpu().numpy()).ravel()
+            ok = coordinate not in mine and bool(np.isfinite(array).all())
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return {}, ("the hook state's residuals of this rank are not (bucket, position, finite values), "
+                        "one a parameter")
+        mine[coordinate] = array
+    return mine, None

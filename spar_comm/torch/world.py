@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 from typing import Any, List, NamedTuple, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 from ..consensus import raise_if_any
+from ..device import device_index
 from ..errors import ConfigError
 from .transport import TorchComm
 
@@ -134,3 +136,48 @@ def job_comm(process_group: Any = None, transport: Optional[str] = None) -> Any:
     if not torch_up:
         raise ConfigError("transport='torch' needs torch.distributed initialised first")
     return TorchComm.world(process_group)
+
+
+def rank() -> int:
+    """This process's rank among the ranks spar_comm.torch works over
+    (``world.job_comm``): for a sampler, or to print once. ConfigError where
+    they are not the torch job's."""
+    comm = job_comm()
+    check_size(comm, "spar_comm.torch.rank()")
+    return comm.rank
+
+
+def size() -> int:
+    """The number of ranks spar_comm.torch works over (``world.job_comm``);
+    ConfigError where they are not the torch job's."""
+    comm = job_comm()
+    check_size(comm, "spar_comm.torch.size()")
+    return comm.size
+
+
+def local_device() -> torch.device:
+    """This rank's GPU as the GPU path picks it (its place among the ranks of
+    its host, modulo the device count), or the CPU when CUDA is not available.
+    ConfigError on every rank unless the ranks spar_comm.torch works over
+    (``world.job_comm``) are the job's.
+
+    The place is torchrun's ``LOCAL_RANK`` where torchrun launched the job
+    (``WORLD_SIZE`` set too; no collective: an NCCL group cannot gather
+    before each rank has set its device, which is what this answer is for),
+    else found collectively over MPI's world where that holds the job's
+    ranks (``mpiexec``), else over the group, which then must be able to
+    gather (gloo, or NCCL once each rank has set its device)."""
+    comm = job_comm()
+    told = launched()
+    if told is not None and told.local_index is not None:  # every rank sees the same sizes
+        check_size(comm, "spar_comm.torch.local_device()")
+        return torch.device("cuda", device_index(told.local_index, torch.cuda.device_count())) \
+            if torch.cuda.is_available() else torch.device("cpu")
+    ranks = MPI.COMM_WORLD if MPI.COMM_WORLD.size == comm.size else comm
+    require_job_world(ranks, "spar_comm.torch.local_device()")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    host = ranks.Split_type(MPI.COMM_TYPE_SHARED, key=ranks.rank)
+    index = device_index(host.rank, torch.cuda.device_count())
+    host.Free()
+    return torch.device("cuda", index)
