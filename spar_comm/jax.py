@@ -202,7 +202,7 @@ def _reduce_on_host(reducer: Allreducer, problem: Optional[str], schedule: Optio
         state = Residual(tuple(span.tolist()), np.array(residual))
         density = _density_of(now) if schedule else None
         try:
-            mean = reducer.allreduce(_WITHHELD if problem else np.asarray(flat), state=state, density=density)
+            mean = reducer.allreduce(_WITHHELD if problem else np.asarray(flat), residual=state, density=density)
         except GradientError:  # raised on every rank alike, so every rank is here
             raise_if_any(world, problem, GradientError)
             raise

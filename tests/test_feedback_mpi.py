@@ -1,5 +1,5 @@
 """Error feedback as explicit state: a residual the caller holds
-(``allreduce(..., state=)``) gives the bits of the one the allreducer holds
+(``allreduce(..., residual=)``) gives the bits of the one the allreducer holds
 and leaves that one alone; a state that is not this rank's is refused with
 ConfigError on every rank, and nothing changes."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_a_state_held_by_the_caller_gives_the_bits_of_the_one_held_inside(topolo
     for step in range(3):
         grad = integer_grads(N, step, COMM.size, N, np.float32)[COMM.rank]
         expected = inside.allreduce(grad.copy())
-        got = outside.allreduce(grad.copy(), state=state)
+        got = outside.allreduce(grad.copy(), residual=state)
         assert_all(COMM, np.array_equal(got, expected), f"step {step}: the result differs")
         assert_all(COMM, np.array_equal(state.values, inside.residual_state()[1]), f"step {step}: residual differs")
         assert_all(COMM, not outside.residual_full().any(), f"step {step}: the allreducer's own residual changed")
@@ -61,8 +61,8 @@ def test_a_state_that_is_not_this_ranks_is_refused_everywhere(topology, wrong):
             bad.values.flags.writeable = False
         given = (state.span, state.values) if wrong == "not a state" else bad
     grad = np.ones(N, np.float32)
-    with pytest.raises(ConfigError, match=f"rank {COMM.size - 1}: the state is not a Residual of this rank's span"):
-        reducer.allreduce(grad, state=given)
+    with pytest.raises(ConfigError, match=f"rank {COMM.size - 1}: the residual is not a Residual of this rank's span"):
+        reducer.allreduce(grad, residual=given)
     assert_all(COMM, np.array_equal(state.values, np.ones(N, np.float32)), "the state changed")
     assert_all(COMM, np.array_equal(grad, np.ones(N, np.float32)), "the gradient changed")
     reducer.free()

@@ -182,7 +182,7 @@ def test_state_of_another_rank_is_refused_everywhere():
     tx = sparse_allreduce("hitopk", 0.1, topology=topo)
     state = tx.init(tree_of(np.zeros(SIZE, np.float32)))
     theirs = COMM.allgather(jax.tree_util.tree_map(np.array, state))[(COMM.rank + 1) % COMM.size]
-    with pytest.raises(ConfigError, match="the state is not a Residual of this rank's span"), unwrap_errors():
+    with pytest.raises(ConfigError, match="the residual is not a Residual of this rank's span"), unwrap_errors():
         jitted_update(tx)(tree_of(rank_grads(4, 0, COMM.size)[COMM.rank]),
                           jax.tree_util.tree_map(jnp.asarray, theirs))
     topo.free()

@@ -36,7 +36,7 @@ from ..kernels import passes
 from ..launch import abort_job
 from ..topology import Topology
 from .channel import Channel
-from .checks import BAD_DENSITY, BAD_OUT, BAD_STATE, density_fits, problems_of, refusal, settings_problem
+from .checks import BAD_DENSITY, BAD_OUT, BAD_RESIDUAL, density_fits, problems_of, refusal, settings_problem
 from .codecs import make_codec, make_index_codec
 from .feedback import ErrorFeedback, Residual
 from .pairs import PairExchange, PairLayout
@@ -197,48 +197,50 @@ class Allreducer:
             self._buffer = self.xp.zeros(self.size, self.grad_dtype)
         return self._buffer
 
-    def allreduce(self, grad: Any, out: Any = None, state: Optional[Residual] = None,
+    def allreduce(self, grad: Any, out: Any = None, residual: Optional[Residual] = None,
                   density: Optional[float] = None, finite: Optional[bool] = None) -> Any:
-        """The sum (or mean) of ``grad`` over all ranks: a new array, or ``out``
-        when given (``out=grad`` reduces in place and saves an allocation).
+        """The sum (or mean) of ``grad`` over all ranks, identical in every bit on every rank.
 
-        ``grad`` lives where the topology put the rank: a NumPy array, or on a
-        GPU a CuPy array or any CUDA array exporting DLPack (a torch tensor),
-        whose result comes back as the same kind of array.
+        Args:
+            grad: a flat array where the topology put the rank: NumPy, or on a
+                GPU CuPy or any CUDA array exporting DLPack (a torch tensor).
+            out: the array to write the result into; ``out=grad`` reduces in
+                place and saves an allocation.
+            residual: this rank's residual held by the caller (a ``Residual``
+                of ``residual_state()``'s span), updated in place of the one
+                the allreducer holds (the JAX transformation threads it).
+            density: this call's, in place of the allreducer's, at most
+                ``max_density``, alike on every rank: a schedule changes it as
+                optax's ``inject_hyperparams`` changes a learning rate.
+            finite: whether ``grad`` holds no NaN or Inf, where the caller found
+                out in a pass it made anyway (the torch optimizer's copy into
+                a bucket); the call then makes no check pass. None: it checks.
 
-        ``state``: this rank's residual, held by the caller (a ``Residual`` of
-        ``residual_state()``'s span), updated in place instead of the one the
-        allreducer holds.
+        Returns:
+            ``out``, or a new array of ``grad``'s kind. A float16 or bfloat16
+            gradient is reduced in float32 and rounded once at the end (that
+            rounding is not fed back: conservation holds for the float32 result).
 
-        ``density``: this call's, in place of the allreducer's (a sparse one's
-        schedule, as optax's ``inject_hyperparams`` changes a learning rate),
-        at most ``max_density``; every rank must ask for the same.
+        Raises:
+            GradientError: on every rank, where any rank's gradient is refused
+                (NonFiniteGradientError for NaN or Inf).
+            ConfigError: on every rank, for a residual or density that does not fit.
+            In each case every residual stays as it was.
 
-        ``finite``: whether this rank's ``grad`` holds no NaN or Inf, where the
-        caller has just found out in a pass it made anyway (the torch
-        optimizer, copying gradients into a bucket: ``kernels.copy_all_finite``);
-        the call then makes no pass of its own to check. A wrong True lets a
-        NaN into the residual. None (the default): the call checks.
-
-        Every rank gets identical bits. A gradient refused on any rank raises
-        GradientError on every rank, a state or a density ConfigError, and the
-        residuals stay as they were.
-
-        A float16 or bfloat16 gradient is reduced in float32 (sums, residuals
-        and the values on the wire) and the result rounded to its dtype once,
-        at the end. That rounding is not fed back into the residual:
-        conservation holds for the float32 result.
+        Example:
+            >>> mean = reducer.allreduce(grad, out=grad, density=0.01)
+            >>> reducer.last["bytes_inter"]
         """
         if self._kernels in _COMPILED:
-            return self._allreduce(grad, out, state, density, finite)
+            return self._allreduce(grad, out, residual, density, finite)
         # Each rank compiles the kernels on its own clock: the others' waits are long for a reason.
         with waiting.watched(f"the first {self.name} allreduce, which compiles its kernels", self.topology.world,
                              patient=True):
-            result = self._allreduce(grad, out, state, density, finite)
+            result = self._allreduce(grad, out, residual, density, finite)
         _COMPILED.add(self._kernels)
         return result
 
-    def _allreduce(self, grad: Any, out: Any, state: Optional[Residual], density: Optional[float],
+    def _allreduce(self, grad: Any, out: Any, residual: Optional[Residual], density: Optional[float],
                    finite: Optional[bool]) -> Any:
         """``allreduce`` itself."""
         self.last = self._fresh_ledger()
@@ -248,10 +250,10 @@ class Allreducer:
         if given_out is not None:
             out = grad if given_out is given_grad else self.memory.adopt(given_out)[0]
         density = self.density if density is None else density
-        self._check(grad, out, given_out is not None, state, density, finite)
+        self._check(grad, out, given_out is not None, residual, density, finite)
         density = float(density)
         self.last["t_check"] = self.memory.now() - start
-        feedback = self.feedback if state is None else self.feedback.on_residual(state)
+        feedback = self.feedback if residual is None else self.feedback.on_residual(residual)
         try:
             if self._wide is None:
                 result = self._reduce(grad, Call(out, feedback, density))
@@ -355,16 +357,16 @@ class Allreducer:
             return self.last
         return ledger
 
-    def _check(self, grad: Any, out: Any, out_given: bool, state: Optional[Residual], density: Any,
+    def _check(self, grad: Any, out: Any, out_given: bool, residual: Optional[Residual], density: Any,
                finite: Optional[bool]) -> None:
         """Gather every rank's verdict on its (adopted) gradient, ``out``,
-        ``state`` and ``density``, with the density itself (the ranks must
+        ``residual`` and ``density``, with the density itself (the ranks must
         agree on it: their messages are sized by it); raise alike on all ranks."""
         self._code[0] = problems_of(grad, out, self.size, self.grad_dtype, self.memory, finite)
         if out_given and out is None:  # given, but not an array of this memory
             self._code[0] |= BAD_OUT
-        if state is not None and not self.feedback.fits(state, self.memory):
-            self._code[0] |= BAD_STATE
+        if residual is not None and not self.feedback.fits(residual, self.memory):
+            self._code[0] |= BAD_RESIDUAL
         if not density_fits(density, self.max_density):
             self._code[0] |= BAD_DENSITY
         self._code[1] = np.float64(density).view(np.int64) if not self._code[0] & BAD_DENSITY else 0

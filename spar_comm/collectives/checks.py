@@ -80,12 +80,12 @@ PROBLEMS = {
     16: "not contiguous",
     32: "non-finite values (NaN or Inf)",
     64: "out is not a 1-D contiguous array of the gradient's length and dtype",
-    128: "the state is not a Residual of this rank's span, length and dtype (see residual_state)",
+    128: "the residual is not a Residual of this rank's span, length and dtype (see residual_state)",
     256: "density= is not in (0, max_density] = (0, {max_density:g}]",
 }
 NON_FINITE = 32
 BAD_OUT = 64
-BAD_STATE = 128
+BAD_RESIDUAL = 128
 BAD_DENSITY = 256
 
 
@@ -123,13 +123,13 @@ def problems_of(grad: Any, out: Any, size: int, dtype: np.dtype, memory: HostMem
 def refusal(algorithm: str, codes: Sequence[int], kind: str, dtype: np.dtype, size: int,
             max_density: float = 1.0) -> SparCommError:
     """The error every rank raises for every rank's codes (some nonzero):
-    ConfigError for a state restored on another rank or layout or a density out of range,
+    ConfigError for a residual of another rank or layout or a density out of range,
     NonFiniteGradientError where NaN or Inf is the only problem, GradientError otherwise."""
     codes = np.asarray(codes)
     parts = [f"rank {rank}: " + ", ".join(text.format(kind=kind, max_density=max_density)
                                           for bit, text in PROBLEMS.items() if code & bit)
              for rank, code in enumerate(codes.tolist()) if code]
-    if (codes & (BAD_STATE | BAD_DENSITY)).any():
+    if (codes & (BAD_RESIDUAL | BAD_DENSITY)).any():
         error = ConfigError
     elif (codes | NON_FINITE).max() == NON_FINITE:  # the values alone: say so, and nothing of shapes
         return NonFiniteGradientError(f"{algorithm} allreduce refused the gradient, nothing was changed: "

@@ -6,7 +6,7 @@ that every value is applied once, late but exactly: summed over ranks, what
 was applied plus what the residuals hold is what came in.
 
 The residual is state, and explicit: a ``Residual`` that the allreducer
-holds, or that the caller holds and passes to ``allreduce(..., state=)``
+holds, or that the caller holds and passes to ``allreduce(..., residual=)``
 (the JAX transformation threads it through its optax state). It covers the
 positions ``[lo, hi)`` of the global vector where this rank compresses: the
 whole vector for ``topka``, the rank's region of the node's sum for
