@@ -73,30 +73,38 @@ def sparse_allreduce(
     indices: Optional[str] = None,
     **options: Any,
 ) -> optax.GradientTransformation:
-    """Replace each gradient by its (sparsified) mean over all ranks.
+    """An optax transformation that replaces each gradient by its (sparsified) mean over all ranks.
 
-    ``init(params)`` is collective: it checks that every rank has the same
-    parameter tree, shapes and dtype, and builds one allreducer for the fused
-    vector (settings, codecs and ``options`` as ``make_allreducer``;
-    ``topology=None`` finds nodes by shared memory or
-    ``SPAR_COMM_RANKS_PER_NODE``). All leaves must share one
-    dtype, float32, float64, float16 or bfloat16: the fused buffer is reduced
-    in it (a 16-bit one in float32, rounded back once, with a float32
-    residual), and a mixed-precision tree is refused rather than silently cast.
+    Args:
+        algorithm, selector, error_feedback, average, selector_options, values,
+            indices, options: as for ``spar_comm.make_allreducer``: one
+            allreducer for the fused vector of every leaf.
+        density: a number, or a schedule as optax's learning rates are (a
+            function of the update's number, traced like theirs), each value
+            at most ``max_density`` (required then: it sizes the buffers).
+        topology: default: nodes found by shared memory or ``SPAR_COMM_RANKS_PER_NODE``.
 
-    ``density`` may be a schedule, as optax's learning rates may: a function
-    of the update's number (``optax.exponential_decay(...)``, say), traced
-    like theirs, each value at most ``max_density`` (required then: the
-    allreducer's buffers are sized for it) and taken as the decimal its
-    float32 stands for. The state is then a ``ScheduledSparseAllreduceState``,
-    which counts the updates.
+    Returns:
+        ``optax.GradientTransformation``. ``init(params)`` is collective and
+        checks that every rank has the same tree, shapes and one dtype
+        (float32, float64, float16 or bfloat16; a 16-bit one is reduced in
+        float32 and rounded back once; a mixed tree is refused, never cast).
+        ``update(grads, state, params=None)`` works eagerly and under
+        ``jax.jit``, at the same point of every rank's program; the residual
+        lives in the state (a ``ScheduledSparseAllreduceState`` under a
+        schedule, which counts the updates).
 
-    ``update(grads, state, params=None)`` works eagerly and under ``jax.jit``;
-    every rank must call it at the same point of its program. A gradient that
-    differs from the parameters (tree, shape, dtype) or holds NaN/Inf on any
-    rank raises ``GradientError`` / ``NonFiniteGradientError`` on every rank,
-    wrapped by JAX in a ``JaxRuntimeError``; ``unwrap_errors()`` gives back the
-    spar_comm error itself. The state is unchanged then, so the step can be skipped.
+    Raises:
+        ConfigError: from ``init`` on every rank, for bad settings or trees.
+        GradientError: from ``update`` on every rank, where any rank's gradient
+            differs from the parameters (NonFiniteGradientError for NaN or
+            Inf), wrapped by JAX in a ``JaxRuntimeError``: ``unwrap_errors()``
+            gives back spar_comm's. The state is unchanged, so the step can be skipped.
+
+    Example:
+        >>> tx = optax.chain(sparse_allreduce("hitopk", density=0.01), optax.sgd(0.1))
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(grads, state, params)
     """
     bound = _Bound(topology)
     schedule = density if callable(density) else None

@@ -336,33 +336,40 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
               grad_scaler: Any = None, process_group: Any = None, transport: Optional[str] = None,
               values: Optional[str] = None, indices: Optional[str] = None, **options: Any
               ) -> Tuple[HookState, Callable[[HookState, Any], torch.futures.Future]]:
-    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: DDP's
-    buckets averaged by spar_comm's ``algorithm`` (one allreducer per bucket,
-    with error feedback unless turned off). ``topology`` defaults to one built
-    on the first bucket: on the GPU (``Topology(device="gpu")``) for CUDA
-    buckets, else on the CPU. ``values``, ``indices`` and ``options`` (the
-    algorithm's own, as ``powersgd``'s ``rank``) go to ``make_allreducer``;
-    ``powersgd`` gets the bucket's tensor shapes too. Register it before the
-    first backward. The hook reduces over ``topology``'s ranks when given,
-    else over ``process_group`` (default: torch's default group, as torch's
-    own PowerSGD state does, since DDP never hands a hook its group) when
-    torch.distributed is initialised, else over MPI's world;
-    ``transport="mpi"`` keeps MPI (``world.job_comm``). Collective over those
-    ranks: ranks that are not the torch job's (``world.py``), or a ``non_finite``
-    other than ``"propagate"`` and ``"raise"``, raises ConfigError here, on
-    every rank, and not inside backward, where DDP would not recover.
+    """A communication hook that averages DDP's buckets with spar_comm's ``algorithm``.
 
-    A NaN or Inf in any rank's bucket gives every rank a NaN bucket (as DDP's
-    own allreduce passes an overflow on), residuals unchanged, so that
-    ``GradScaler`` skips the step alike everywhere; ``non_finite="raise"``
-    raises NonFiniteGradientError out of ``backward()`` on every rank instead.
-    So does any other error of a bucket's reduction, once DDP has finished
-    the iteration: DDP stays usable. Under ``GradScaler`` with error feedback
-    pass the scaler as ``grad_scaler``, so that the residuals follow its scale.
-    With ``max_density=`` (an option of ``make_allreducer``) the density may
-    change between iterations with nothing rebuilt: set ``state.density``,
-    at most ``max_density``, alike on every rank (else ``backward()`` raises
-    ConfigError on every rank).
+    Args:
+        algorithm, density, selector, values, indices, error_feedback: as for
+            ``spar_comm.make_allreducer``, one allreducer per DDP bucket;
+            ``options`` too (``max_density``; ``powersgd``'s ``rank``, which
+            gets the bucket's tensor shapes). Set ``state.density`` between
+            iterations, up to ``max_density``, alike on every rank.
+        topology: the ranks; default: one built on the first bucket (on the
+            GPU for CUDA buckets) over ``process_group`` (torch's default
+            group, as torch's PowerSGD state uses: DDP never hands a hook its
+            group) when torch.distributed is initialised, else MPI's world
+            (``transport="mpi"`` keeps MPI).
+        non_finite: ``"propagate"``: a NaN or Inf on any rank gives every rank
+            a NaN bucket, residuals unchanged (``GradScaler`` skips the step
+            everywhere); ``"raise"``: NonFiniteGradientError out of
+            ``backward()`` on every rank, once DDP has finished the iteration
+            (DDP stays usable), as any other error of a reduction.
+        grad_scaler: the ``torch.amp.GradScaler`` in use, so that the residuals
+            follow its scale.
+
+    Returns:
+        ``(state, hook)``: a ``HookState`` (``state_dict()``, ``load_state_dict()``)
+        and the hook.
+
+    Raises:
+        ConfigError: here, on every rank (not inside backward, where DDP would
+            not recover), for bad settings or ranks that are not the torch job's.
+
+    Example:
+        >>> state, hook = comm_hook("hitopk", density=0.01)
+        >>> ddp_model.register_comm_hook(state, hook)   # before the first backward
+
+    Collective over the ranks it works on.
     """
     comm = topology.world if topology is not None else job_comm(process_group, transport)
     require_job_world(comm, "spar_comm.torch.comm_hook")

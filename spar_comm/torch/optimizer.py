@@ -8,33 +8,21 @@
     loss.backward()                                  # buckets reduced while it runs; returns with the mean
     optimizer.step()
 
-Horovod's shape. Gradients are grouped into buckets of about ``bucket_cap_mb``
-in reverse registration order (the order in which backward produces them, as
-in DDP), each bucket with its own allreducer, so ``algorithm="auto"`` chooses
-per bucket. A bucket's allreduce starts on a communication thread as soon as
-its last gradient has been accumulated (``register_post_accumulate_grad_hook``)
-while backward goes on. On the CPU with torch on one thread, its gradients
-are copied into it and checked for NaN and Inf in the same pass, so the
-allreducer makes no check pass of its own. Buckets start in index order on
-every rank whatever order their gradients arrive in, so the collectives of
-all ranks match. Each parameter's ``.grad`` then becomes a view of its
-bucket's result (DDP's ``gradient_as_bucket_view``), valid until the next
-step reduces that bucket.
+Horovod's shape. Gradients are grouped into buckets (``buckets.py``), each
+with its own allreducer, so ``algorithm="auto"`` chooses per bucket. A
+bucket's allreduce starts on a communication thread once its last gradient
+is accumulated (``register_post_accumulate_grad_hook``) while backward goes
+on; the engine (``engine.py``) does the rest. On the CPU with torch on one
+thread the gradients are copied into the bucket and checked for NaN and Inf
+in one pass, so the allreducer makes no check pass of its own. Each
+``.grad`` then becomes a view of its bucket's result (DDP's
+``gradient_as_bucket_view``), valid until the next step reduces that bucket.
 As in DDP, ``backward()`` returns only once the buckets it started are
-reduced (an autograd callback at its end), so ``GradScaler`` and gradient clipping read
-the mean, the same on every rank. A NaN or Inf on any rank makes the mean NaN
-on every rank (``GradScaler`` then skips the step everywhere), with the
-residuals as they were.
+reduced, so ``GradScaler`` and clipping read the mean, alike on every rank.
 
-Parameters on the rank's GPU (``cuda:i``, i its place on its host modulo the
-device count) make buckets and allreducers on the GPU (``Topology(device=
-"gpu")`` unless a topology is given): the gradients never leave the device
-except through the allreducer's staging or a CUDA-aware MPI. Ordering is by
-CUDA events (``streams.py``): each gradient hook records one on the stream
-that produced the gradient, the bucket's communication waits for them on a
-stream of its own, and ``synchronize()`` makes the caller's stream wait for
-the communication. Under ``Topology(device="gpu-simulator")`` the same code
-runs on CPU tensors with those operations doing nothing.
+Parameters on the rank's GPU make buckets and allreducers on the GPU: the
+gradients never leave it but through the allreducer's staging or a
+CUDA-aware MPI, ordered by CUDA events (``streams.py``).
 """
 from __future__ import annotations
 
@@ -60,7 +48,7 @@ from .backward_end import EndOfBackward
 from .buckets import DTYPES, bucket_entries, require_same_buckets, signature
 from .comm_thread import CommThread
 from .engine import Engine, InOrder, Reduction, reduction_of
-from .state import STATE_FORMAT, optimizer_residuals, rank_key
+from .state import STATE_FORMAT, choice_problem, optimizer_residuals, rank_key, stateful_problem
 from .streams import NoStreams, as_array, as_tensor, streams_for
 from .world import job_comm, require_job_world
 
@@ -454,9 +442,9 @@ class _DistributedOptimizer:
         mine, problem = optimizer_residuals(saved, self._comm.rank, self._comm.size,
                                             [b.signature() for b in self.buckets])
         if problem is None and self.reduction.algorithm == AUTO:
-            problem = _choice_problem(saved.get("algorithms"), [b.reducer.name for b in self.buckets])
+            problem = choice_problem(saved.get("algorithms"), [b.reducer.name for b in self.buckets])
         if problem is None:
-            problem = _stateful_problem(saved, state_dict.get("state"))
+            problem = stateful_problem(saved, state_dict.get("state"))
         raise_if_any(self._comm, problem)
         try:
             super().load_state_dict({k: v for k, v in state_dict.items() if k != "spar_comm"})
@@ -496,34 +484,42 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     """Wrap ``optimizer`` so that ``step()`` applies the mean of every rank's
     gradient, reduced by ``algorithm`` in buckets that overlap backward.
 
-    Collective: every rank calls it with the same model. It works over
-    ``topology``'s ranks when given, else over ``process_group`` (default:
-    torch's default group) when torch.distributed is initialised, else over
-    MPI's world; ``transport="mpi"`` keeps MPI (``world.job_comm``). ``named_parameters``
-    names the parameters (default ``param.<i>`` in the optimizer's order) and
-    its order is the registration order. ``dense`` lists names (or the
-    parameters themselves) never to sparsify: embeddings, norms, heads.
-    ``backward_passes_per_step=N`` accumulates N backward passes locally before
-    one allreduce. ``overlap=False`` reduces every bucket as backward ends
-    instead of while it runs. Either way ``backward()`` returns with the mean
-    gradients, as in DDP. A NaN or Inf in any rank's gradient makes a bucket's
-    mean NaN on every rank, residuals unchanged, so that ``GradScaler`` skips
-    the step alike everywhere; ``non_finite="raise"`` raises
-    NonFiniteGradientError from ``step()`` on every rank instead. Under ``torch.amp.GradScaler`` with error feedback,
-    pass the scaler as ``grad_scaler``: the residuals then follow its scale
-    (else a residual kept at one scale is added to gradients of another).
-    ``values`` and ``indices`` are the codecs of the messages, and ``options``
-    the algorithm's own settings (``powersgd``'s ``rank``), as for
-    ``make_allreducer``; the ``dense`` buckets take ``values`` only.
-    ``max_density=`` (an option of ``make_allreducer``) lets the density
-    change between steps with nothing rebuilt: set ``optimizer.density``, as
-    a schedule sets a learning rate, at most ``max_density``, alike on every
-    rank (else ``step()`` raises ConfigError on every rank).
-    The returned object is an instance of the optimizer's own class (so LR
-    schedulers accept it) sharing its parameter groups and state; use it
-    instead of ``optimizer`` from now on. Bad or disagreeing settings, or an
-    MPI world that is not the torch job's (``world.py``), raise ConfigError on
-    every rank.
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_parameters: names, in registration order (default ``param.<i>``).
+        algorithm, density, selector, values, indices, error_feedback: as for
+            ``spar_comm.make_allreducer``; ``options`` too (``max_density``,
+            ``powersgd``'s ``rank``). Set ``optimizer.density`` between steps,
+            up to ``max_density``, alike on every rank.
+        topology: the ranks; default: ``process_group`` (torch's default group)
+            when torch.distributed is initialised, else MPI's world
+            (``transport="mpi"`` keeps MPI).
+        bucket_cap_mb: about how much a bucket holds.
+        backward_passes_per_step: backward passes accumulated locally per step.
+        dense: names (or tensors) never sparsified: embeddings, norms, heads.
+            Their buckets take the ``values`` codec alone.
+        overlap: reduce buckets while backward runs (else as it ends).
+        non_finite: ``"propagate"``: a NaN or Inf on any rank makes the mean NaN
+            on every rank, residuals unchanged (``GradScaler`` skips the step
+            everywhere); ``"raise"``: NonFiniteGradientError from ``step()``.
+        grad_scaler: the ``torch.amp.GradScaler`` in use, so that the residuals
+            follow its scale.
+
+    Returns:
+        An instance of the optimizer's own class (LR schedulers accept it),
+        sharing its parameter groups and state: use it from now on.
+        ``backward()`` returns with every ``.grad`` the mean, as under DDP.
+
+    Raises:
+        ConfigError: on every rank, for bad or disagreeing settings or models,
+            or ranks that are not the torch job's (``world.py``).
+
+    Example:
+        >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        ...                            algorithm="hitopk", density=0.01)
+        >>> loss.backward(); opt.step()
+
+    Collective: every rank calls it with the same model.
     """
     comm = topology.world if topology is not None else job_comm(process_group, transport)
     require_job_world(comm, "spar_comm.torch.DistributedOptimizer")
@@ -542,33 +538,3 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     wrapped._steps_amp_itself = bool(getattr(type(optimizer), "_step_supports_amp_scaling", False))
     wrapped._spar_setup(named, reduction, topology, plan, grad_scaler)
     return wrapped
-
-
-def _stateful_problem(saved: Dict[str, Any], state: Any) -> Optional[str]:
-    """Whether the wrapped optimizer's state lost entries on the way: a
-    ``torch.distributed.checkpoint.load`` into a fresh optimizer's
-    ``state_dict()`` fills only what that template holds, and a torch
-    optimizer holds no state before its first step."""
-    had = saved.get("stateful_parameters")
-    has = len(state) if isinstance(state, dict) else 0
-    if not isinstance(had, int) or has >= had:
-        return None
-    return (f"the wrapped optimizer's state holds {has} parameters' entries where the saved one held {had}: "
-            "torch.distributed.checkpoint.load fills only the entries of its template, and a fresh optimizer has "
-            "none before its first step; call optimizer.init_state() before taking the template "
-            "(optimizer.state_dict())")
-
-
-def _choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
-    """Under ``algorithm="auto"``: other allreducers than the saved job's
-    cannot take its residuals as they are (a state saved before the
-    algorithms were kept is taken as before)."""
-    if saved is None:
-        return None
-    if not isinstance(saved, list) or len(saved) != len(mine) or not all(isinstance(a, str) for a in saved):
-        return f"the state_dict's algorithms are not {len(mine)} names, one a bucket"
-    if saved == mine:
-        return None
-    return (f"algorithm='auto' chose {mine} for the buckets here and {saved} in the saved job (it prices the "
-            "link between nodes as it times it at the start): give both jobs the same figures with "
-            "SPAR_COMM_CALIBRATION, or name the algorithm the saved job chose")

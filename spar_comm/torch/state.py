@@ -134,3 +134,33 @@ def hook_residuals(state: Any, rank: int, world_size: int) -> Tuple[Dict[Coordin
                         "one a parameter")
         mine[coordinate] = array
     return mine, None
+
+
+def stateful_problem(saved: Dict[str, Any], state: Any) -> Optional[str]:
+    """Whether the wrapped optimizer's state lost entries on the way: a
+    ``torch.distributed.checkpoint.load`` into a fresh optimizer's
+    ``state_dict()`` fills only what that template holds, and a torch
+    optimizer holds no state before its first step."""
+    had = saved.get("stateful_parameters")
+    has = len(state) if isinstance(state, dict) else 0
+    if not isinstance(had, int) or has >= had:
+        return None
+    return (f"the wrapped optimizer's state holds {has} parameters' entries where the saved one held {had}: "
+            "torch.distributed.checkpoint.load fills only the entries of its template, and a fresh optimizer has "
+            "none before its first step; call optimizer.init_state() before taking the template "
+            "(optimizer.state_dict())")
+
+
+def choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
+    """Under ``algorithm="auto"``: other allreducers than the saved job's
+    cannot take its residuals as they are (a state saved before the
+    algorithms were kept is taken as before)."""
+    if saved is None:
+        return None
+    if not isinstance(saved, list) or len(saved) != len(mine) or not all(isinstance(a, str) for a in saved):
+        return f"the state_dict's algorithms are not {len(mine)} names, one a bucket"
+    if saved == mine:
+        return None
+    return (f"algorithm='auto' chose {mine} for the buckets here and {saved} in the saved job (it prices the "
+            "link between nodes as it times it at the start): give both jobs the same figures with "
+            "SPAR_COMM_CALIBRATION, or name the algorithm the saved job chose")
