@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from test_train_runs import FAST, ROOT, run_train
+from test_train_runs import FAST, LIMIT, ROOT, mpi_command, run_train
 
 from spar_comm.training.trace import EVAL, PHASES, TraceWriter, read_trace
 
@@ -89,6 +91,39 @@ def test_a_trace_whose_writer_died_can_be_resumed(traces, tmp_path):
     assert trace.steps == STEPS - 3 and trace.attrs["algorithm"] == "hitopk"
     with h5py.File(copy, "r") as f:  # whole again: no SWMR reader needed
         assert f["phases/step"].shape == (STEPS - 3, 4)
+
+
+SUMMARY = re.compile(r"communication ([\d.]+) ms/step = (\d+)% of step time \(\+ select (\d+)%\) \| "
+                     r"not counted: first step ([\d.]+) s, compiling ([\d.]+) s")
+
+
+@pytest.mark.slow  # two train.py runs of 2 ranks, the first compiling into an empty cache
+def test_the_summary_leaves_the_compiling_first_step_out(tmp_path):
+    """The summary's shares are those of the trace's steps after the first,
+    which compiles the kernels: on a cold cache, counting it would make
+    selection (mstopk's, make train's) most of the step time."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    for cache in ("cold", "warm"):
+        trace = tmp_path / f"{cache}.h5"
+        args = [*FAST, "--selector", "mstopk", "--steps", "12", "--trace", str(trace), "--ranks-per-node", "1"]
+        run = subprocess.run(mpi_command(2, args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT)
+        assert run.returncode == 0, run.stderr
+        found = SUMMARY.search(run.stdout)
+        assert found, run.stdout
+        comm_ms, comm_share, select_share, first_s, compile_s = map(float, found.groups())
+        with h5py.File(trace, "r") as f:
+            step, select = f["phases/step"][:], f["phases/select"][:]
+            comm = f["phases/comm_intra"][:] + f["phases/comm_inter"][:]
+        assert abs(select_share - 100 * select[1:].mean() / step[1:].mean()) <= 0.5 + 1e-9
+        assert abs(comm_share - 100 * comm[1:].mean() / step[1:].mean()) <= 0.5 + 1e-9
+        assert abs(comm_ms - 1e3 * comm[1:].mean()) <= 0.005 + 1e-9
+        assert abs(first_s - step[0].mean()) <= 0.005 + 1e-9
+        if cache == "cold":  # the first step compiled its selection: counted, it would dominate the share
+            assert 0 < compile_s < first_s
+            assert select[0].min() > 10 * select[1:].max()
+            assert 100 * select.mean() / step.mean() > select_share + 10
+        else:  # loaded from the cache: nothing compiled
+            assert compile_s == 0
 
 
 def analyze(*args: str) -> subprocess.CompletedProcess:

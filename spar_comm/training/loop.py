@@ -23,6 +23,7 @@ from ..costmodel import auto
 from ..errors import ConfigError, WriteError
 from ..files import BadFileError
 from ..topology import Topology
+from . import compile_time
 from .aids import LocalAids, ScheduledAllreduce
 from .density import make_schedule
 from .checkpoint import load_checkpoint, read_saved, save_checkpoint
@@ -39,7 +40,9 @@ from .trace import COLUMN, StepRecorder, TraceWriter
 
 @dataclass
 class Summary:
-    """What a run achieved; the same on every rank."""
+    """What a run achieved; the same on every rank. The times per step and
+    ``steps_per_s`` leave out the run's first step, which compiles the kernels
+    on a cold cache: ``first_step_s`` and ``compile_s`` report it apart."""
 
     steps: int
     total_steps: int
@@ -54,6 +57,8 @@ class Summary:
     setup: str
     density: float = 1.0  # the mean density sent a step (schedules change it)
     bytes_inter: float = 0.0  # the mean bytes a rank sent between nodes a step
+    first_step_s: float = 0.0  # the first step's seconds (0: it was the only one, and is in the means)
+    compile_s: float = 0.0  # seconds a rank spent compiling Numba kernels, the mean over ranks
 
     def line(self) -> str:
         """The one line rank 0 prints at the end of a run."""
@@ -62,8 +67,14 @@ class Summary:
             f"held-out accuracy {self.test_metric:.4f} | train loss {self.train_loss:.4f} | "
             f"{self.steps}/{self.total_steps} steps, {self.steps_per_s:.1f} steps/s | "
             f"communication {1e3 * self.comm_s:.2f} ms/step = {self._share(self.comm_s):.0f}% of step time "
-            f"(+ select {self._share(self.select_s):.0f}%) | {self.setup}{stop}"
+            f"(+ select {self._share(self.select_s):.0f}%){self._first()} | {self.setup}{stop}"
         )
+
+    def _first(self) -> str:
+        """What the figures before leave out, when they leave anything out."""
+        if not self.first_step_s:
+            return ""
+        return f" | not counted: first step {self.first_step_s:.2f} s, compiling {self.compile_s:.2f} s"
 
     def _share(self, seconds: float) -> float:
         return 100.0 * seconds / self.step_s if self.step_s > 0 else 0.0
@@ -101,6 +112,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     problems = config.problems()
     if problems:
         raise ConfigError("; ".join(problems))
+    compiled_before = compile_time.seconds()
     topology = Topology(comm, config.ranks_per_node, config.device)  # a rank without its GPU: ConfigError on all
     group = Group(topology)
     rank0 = group.rank == 0
@@ -180,6 +192,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
 
     # -- the loop ------------------------------------------------------------------------
     began = time.perf_counter()
+    steady_began = began  # from the end of the first step on, which compiles
     loss_sum, loss_count, reason = 0.0, 0, 0
     accuracy, train_loss, evaluated_at = float("nan"), float("nan"), -1
     step = start
@@ -199,6 +212,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         t4 = time.perf_counter()
         step += 1
         state.step = step
+        if step == start + 1:
+            steady_began = time.perf_counter()
         flags = stop.check(step, writer is not None and writer.failure is not None)
         if flags & WRITE_FAILED:
             raise_if_any(group.comm, writer and writer.failure, WriteError)
@@ -240,15 +255,19 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         forget_trace()
         writer.close()
     raise_if_any(group.comm, writer and writer.failure, WriteError)
+    compiled = group.sum([compile_time.seconds() - compiled_before])[0] / group.size
     summary = None
     if rank0:
-        per_step = recorder.totals.mean(axis=0) / max(recorder.steps_gathered, 1)
+        per_step, steady = recorder.means(), recorder.means(after_first=True)
+        apart = step - start > 1  # a lone step is the means' only one
+        counted, counted_s = (step - start - 1, began + wall - steady_began) if apart else (step - start, wall)
         summary = Summary(
             steps=step, total_steps=total, test_metric=accuracy, train_loss=train_loss, wall=wall,
-            steps_per_s=(step - start) / wall if wall > 0 else 0.0, step_s=per_step[COLUMN["step"]],
-            comm_s=per_step[COLUMN["comm_intra"]] + per_step[COLUMN["comm_inter"]],
-            select_s=per_step[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
+            steps_per_s=counted / counted_s if counted_s > 0 else 0.0, step_s=steady[COLUMN["step"]],
+            comm_s=steady[COLUMN["comm_intra"]] + steady[COLUMN["comm_inter"]],
+            select_s=steady[COLUMN["select"]], stopped=StopControl.describe(reason), setup=setup,
             density=per_step[COLUMN["density"]], bytes_inter=per_step[COLUMN["bytes_inter"]],
+            first_step_s=recorder.first[:, COLUMN["step"]].mean() if apart else 0.0, compile_s=compiled,
         )
     with waiting.watched("Bcast of the summary", group.comm):
         return group.comm.bcast(summary, root=0)

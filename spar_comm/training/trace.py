@@ -58,7 +58,8 @@ class StepRecorder:
 
     The gather is a buffer-based ``Gather`` of float64 rows (no pickling on
     the hot path). Rank 0 hands each block to the writer, when there is one,
-    and keeps per-rank totals for the run's summary.
+    and keeps per-rank totals for the run's summary, and the first step's
+    rows apart: it compiles the kernels on a cold cache and sets up buffers.
     """
 
     def __init__(self, comm: MPI.Comm, every: int, writer: Optional["TraceWriter"] = None):
@@ -69,6 +70,7 @@ class StepRecorder:
         root = comm.rank == 0
         self.recv = np.zeros(comm.size * every * len(FIELDS)) if root else None
         self.totals = np.zeros((comm.size, len(FIELDS))) if root else None
+        self.first: Optional[np.ndarray] = None  # [rank, field] of the first step gathered
         self.steps_gathered = 0
 
     def record(self, step: int, values: Dict[str, float]) -> None:
@@ -93,10 +95,20 @@ class StepRecorder:
         if recv is None:
             return
         block = np.ascontiguousarray(recv.transpose(1, 0, 2))  # [step, rank, field]
+        if self.first is None:
+            self.first = block[0].copy()
         self.totals += block.sum(axis=0)
         self.steps_gathered += n
         if self.writer is not None:
             self.writer.append(self.steps[:n], block)
+
+    def means(self, after_first: bool = False) -> np.ndarray:
+        """Rank 0: each field's mean over ranks and steps. ``after_first``: the
+        first step left out (unless it is the only one), so that compiling on
+        a cold cache is no phase's time."""
+        if after_first and self.steps_gathered > 1:
+            return (self.totals - self.first).mean(axis=0) / (self.steps_gathered - 1)
+        return self.totals.mean(axis=0) / max(self.steps_gathered, 1)
 
 
 class TraceWriter:
