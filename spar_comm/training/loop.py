@@ -101,13 +101,28 @@ def evaluate(model: Any, params: Any, data: Dataset, group: Group, xp: Any, devi
 
 
 def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = None, data: Any = None) -> Summary:
-    """Run ``config`` on every rank of ``comm`` (default COMM_WORLD). Collective.
+    """Train ``config`` on every rank of ``comm``: the loop ``drivers/train.py`` runs.
 
-    ``model`` replaces the built-in model that ``config.model`` names: any
-    object with ``layout``, ``init(seed)``, ``logits(params, x)`` and
-    ``loss_and_grad(params, batch)`` (see ``models.py``). ``data`` replaces
-    ``config.dataset``: any object with the fields of ``data.Dataset``. Bad
-    settings raise ConfigError on every rank alike, before any file is written.
+    Args:
+        config: the run's settings (``TrainConfig``; the command line's flags).
+        comm: the ranks; default MPI's world.
+        model: in place of the built-in ``config.model``: any object with
+            ``layout``, ``init(seed)``, ``logits(params, x)`` and
+            ``loss_and_grad(params, batch)`` (``models.py``).
+        data: in place of ``config.dataset``: any object with the fields of
+            ``data.Dataset``.
+
+    Returns:
+        The run's ``Summary`` (its ``str`` is the line ``make train`` prints).
+
+    Raises:
+        ConfigError: on every rank alike, for bad settings, before any file is written.
+
+    Example:
+        >>> summary = train(TrainConfig(algorithm="hitopk", density=0.01, steps=100))
+        >>> print(summary)
+
+    Collective: every rank calls it.
     """
     problems = config.problems()
     if problems:
