@@ -484,6 +484,25 @@ def test_a_different_model_on_one_rank_is_refused_on_every_rank(topology, case):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("setting", [{"non_finite": "raise"}, {"bucket_cap_mb": 1}, {"values": "int8"}])
+def test_settings_that_differ_between_ranks_are_refused_as_a_whole_on_every_rank(topology, setting):
+    """The settings are one value, compared across ranks before anything is
+    built: also those no allreducer sees (the non-finite rule, bucketing)."""
+    net = small_net(0)
+    mine = setting if COMM.rank == COMM.size - 1 else {}
+    with pytest.raises(ConfigError) as refused:
+        sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                 topology=topology, algorithm="hitopk", **mine)
+    message = str(refused.value)
+    assert_all(COMM, len(set(COMM.allgather(message))) == 1, "the ranks were told different things")
+    name = next(iter(setting))
+    assert message.startswith(f"ranks disagree on the DistributedOptimizer settings: {name}: "), message
+    if name != "bucket_cap_mb":  # the optimizer's own
+        with pytest.raises(ConfigError, match=f"ranks disagree on the comm_hook settings: {name}: "):
+            sct.comm_hook("hitopk", 0.1, topology=topology, **mine)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_a_nan_on_one_rank_is_a_nan_mean_on_every_rank_and_leaves_the_residuals(topology, set_to_none):
     """Found where the gradients are copied into their buckets (``set_to_none``:

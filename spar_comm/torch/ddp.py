@@ -58,7 +58,7 @@ class _Job:
         self.to_future = False  # an error goes on the future (a bucket handed over outside backward)
 
 
-class _Bucket:
+class _HookBucket:
     """A DDP bucket's allreducer and where its parameters lie in the buffer."""
 
     def __init__(self, params: List[torch.Tensor], reducer: Allreducer):
@@ -85,7 +85,7 @@ class HookState:
         self._comm: Any = comm  # the ranks it works over (``world.job_comm``)
         self._engine = Engine(reduction, comm, grad_scaler)
         self._streams: NoStreams = NoStreams() if topology is None else streams_for(topology.memory)
-        self.buckets: Dict[int, _Bucket] = {}
+        self.buckets: Dict[int, _HookBucket] = {}
         self._coordinates: Dict[int, Coordinate] = {}  # id(parameter) -> coordinate
         self._carry: Dict[int, torch.Tensor] = {}  # id(parameter) -> residual held outside any allreducer
         self._loaded: Dict[Coordinate, np.ndarray] = {}  # residuals loaded, waiting for their parameter
@@ -179,7 +179,7 @@ class HookState:
                 self._idle.notify_all()
             result[0](result[1])
 
-    def _bucket(self, job: _Job) -> _Bucket:
+    def _bucket(self, job: _Job) -> _HookBucket:
         """The allreducer of this bucket, built (collectively) when DDP's bucket
         ``job.index`` is new or holds other parameters than before."""
         for position, p in enumerate(job.params):
@@ -193,11 +193,11 @@ class HookState:
         shapes = {"shapes": [tuple(p.shape) for p in job.params]} if self.algorithm == "powersgd" else {}
         reducer = self._engine.make(self.topology, job.buffer.numel(), str(job.buffer.dtype).replace("torch.", ""),
                                     **shapes)
-        bucket = self.buckets[job.index] = _Bucket(job.params, reducer)
+        bucket = self.buckets[job.index] = _HookBucket(job.params, reducer)
         self._place(bucket)
         return bucket
 
-    def _reduce(self, bucket: _Bucket, job: _Job) -> None:
+    def _reduce(self, bucket: _HookBucket, job: _Job) -> None:
         """Add the carried residuals of the bucket's parameters, then allreduce in place."""
         carried = [(i, self._carry[id(p)]) for i, p in enumerate(bucket.params) if id(p) in self._carry]
         if carried:
@@ -219,7 +219,7 @@ class HookState:
                 self._taken[key] = values
 
     # -- residuals in parameter coordinates ------------------------------------------------
-    def _place(self, bucket: _Bucket) -> None:
+    def _place(self, bucket: _HookBucket) -> None:
         """Put the residuals loaded for the bucket's parameters where the new
         allreducer keeps them; carry the rest. Collective (every rank builds
         the same buckets at the same time)."""
@@ -376,4 +376,5 @@ def comm_hook(algorithm: str = "hitopk", density: float = 0.001, *, selector: st
     reduction = reduction_of(algorithm, non_finite, options, density=density, selector=selector,
                              error_feedback=error_feedback, values=values, indices=indices)
     raise_if_any(comm, reduction.problem())
+    require_same(comm, "comm_hook settings", reduction.agreed())
     return HookState(reduction, topology, comm, grad_scaler), _hook

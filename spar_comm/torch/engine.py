@@ -51,6 +51,10 @@ class Reduction:
             return f"non_finite must be one of {', '.join(map(repr, NON_FINITE))}, got {self.non_finite!r}"
         return None
 
+    def agreed(self) -> Dict[str, Any]:
+        """The settings as plain values every rank must hold alike (``require_same``)."""
+        return {"algorithm": self.algorithm, "non_finite": self.non_finite, **self.allreducer.agreed()}
+
     def to_dict(self) -> Dict[str, Any]:
         """As plain data, for a state dict (``torch.load(weights_only=True)`` reads it)."""
         return {"algorithm": self.algorithm, "non_finite": self.non_finite, "allreducer": self.allreducer.to_dict()}

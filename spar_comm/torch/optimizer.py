@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from .. import kernels, waiting
 from ..collectives import AUTO, Allreducer
-from ..consensus import raise_if_any
+from ..consensus import raise_if_any, require_same
 from ..costmodel import auto
 from ..errors import ConfigError
 from ..topology import Topology
@@ -80,7 +80,7 @@ class Plan:
                 "dense": dense, "overlap": self.overlap}
 
 
-class _Bucket:
+class _ParameterBucket:
     """Parameters reduced together: their flat buffer, its allreducer, and
     how many of their gradients are final for this step."""
 
@@ -166,13 +166,13 @@ class _DistributedOptimizer:
         self._engine.price(topology)
         planned = bucket_entries(named, plan.dense, plan.bucket_cap_mb)
         require_same_buckets(topology.world, [signature(entries) for _, entries in planned])
-        self.buckets: List[_Bucket] = []
+        self.buckets: List[_ParameterBucket] = []
         for index, (kind, entries) in enumerate(planned):
             # powersgd's matrices are the layers'.
             shapes = {"shapes": [tuple(p.shape) for _, p in entries]} if reduction.algorithm == "powersgd" else {}
             reducer = self._engine.make(topology, sum(p.numel() for _, p in entries), DTYPES[entries[0][1].dtype],
                                         dense=kind == "dense", **shapes)
-            self.buckets.append(_Bucket(index, entries, reducer))
+            self.buckets.append(_ParameterBucket(index, entries, reducer))
         self._comm = topology.world.Dup()  # this class's own small collectives, never mixed with the allreducers'
         self._flags = np.zeros(1, dtype=np.int32)
         self._problems = 0
@@ -210,7 +210,7 @@ class _DistributedOptimizer:
         return self._engine.pricing
 
     # -- backward ------------------------------------------------------------------------
-    def _hook(self, bucket: _Bucket, i: int):
+    def _hook(self, bucket: _ParameterBucket, i: int):
         def on_grad_accumulated(_: torch.Tensor) -> None:
             self._reduced = False
             bucket.passes[i] += 1
@@ -226,7 +226,7 @@ class _DistributedOptimizer:
 
         return on_grad_accumulated
 
-    def _mark_ready(self, bucket: _Bucket) -> None:
+    def _mark_ready(self, bucket: _ParameterBucket) -> None:
         """Start every ready bucket whose predecessors have all started: the
         same order on every rank, whatever order backward produced them in."""
         bucket.ready = True
@@ -235,7 +235,7 @@ class _DistributedOptimizer:
         for ready in self._order.arrived(bucket.index, bucket):
             self._start(ready)
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: _ParameterBucket) -> None:
         self._in_flight = True
         if self._thread is not None:
             self._thread.put(bucket)
@@ -529,6 +529,7 @@ def DistributedOptimizer(  # noqa: N802 (a factory that reads like the class it 
     named, problem = buckets.named_parameters(optimizer, named_parameters)
     problem = problem or reduction.problem() or plan.problem(named)
     raise_if_any(comm, problem)
+    require_same(comm, "DistributedOptimizer settings", {**reduction.agreed(), **plan.to_dict()})
     if topology is None:
         topology = Topology(comm, device="gpu" if named[0][1].device.type == "cuda" else "cpu")
     raise_if_any(topology.world, buckets.device_problem(named, topology.memory))
