@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -43,7 +42,6 @@ from ..errors import ConfigError, WriteError
 from ..files import (BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify,
                      write_image)
 from .config import TrainConfig
-from .data import Shards
 from .distributed import Group, to_host
 from . import parts
 from .layout import ParamLayout
@@ -57,18 +55,10 @@ OLDER = (f"no checksum: a checkpoint of format 1 (or another program's HDF5 file
          f"reads formats {READS[0]} and {READS[1]}, so resume it with the version that wrote it, or start afresh")
 
 
-def save_checkpoint(path: str, state: TrainState, *legacy: Any, **legacy_keywords: Any) -> None:
+def save_checkpoint(state: TrainState, path: str) -> None:
     """Write ``state`` (after ``state.step`` steps) to ``path``. Collective over
-    ``state.group``: every rank writes its own part, rank 0 the rest.
-
-    The older form ``save_checkpoint(path, group, config, step, layout, params,
-    velocity, reducer, shards, local_velocity=None, schedule=None,
-    priced=None)`` still works, with a DeprecationWarning.
-    """
-    if not isinstance(state, TrainState):
-        state = _legacy_state(state, *legacy, **legacy_keywords)
-    elif legacy or legacy_keywords:
-        raise TypeError("save_checkpoint(path, state) takes nothing more")
+    ``state.group``: every rank writes its own part, rank 0 the rest. State
+    first, as ``spar_comm.torch.save_checkpoint(state, directory, step)``."""
     group = state.group
     with waiting.watched("Bcast of the checkpoint's name", group.comm):
         token = group.comm.bcast(parts.new_token(state.step) if group.rank == 0 else None, root=0)
@@ -107,18 +97,6 @@ def _write_file(path: str, state: TrainState, token: str, written: List[tuple]) 
         return f"cannot write the checkpoint {path}: {error}"
     parts.remove_other_saves(path, token)
     return None
-
-
-def _legacy_state(group: Group, config: TrainConfig, step: int, layout: ParamLayout, params: Any, velocity: Any,
-                  reducer: Any, shards: Shards, local_velocity: Any = None, schedule: Any = None,
-                  priced: Optional[dict] = None) -> TrainState:
-    """The ``TrainState`` that the twelve arguments of the older form describe."""
-    warnings.warn("save_checkpoint(path, group, config, step, layout, params, velocity, reducer, shards, ...) is "
-                  "deprecated: build a spar_comm.training.TrainState and call save_checkpoint(path, state)",
-                  DeprecationWarning, stacklevel=3)
-    pricing = None if priced is None else auto.resumed(group.topology, priced)
-    return TrainState(group, config, layout, params, velocity, reducer, shards, schedule, pricing, local_velocity,
-                      step)
 
 
 def _write(tmp: str, state: TrainState, token: str, written: List[tuple]) -> None:

@@ -224,7 +224,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         due = flags & SAVE or (config.checkpoint_every and step % config.checkpoint_every == 0)
         if due and step < total and not reason:
             recorder.flush()  # the trace then holds every step the checkpoint covers
-            save_checkpoint(config.checkpoint, state)
+            save_checkpoint(state, config.checkpoint)
             stop.saved()
     wall = time.perf_counter() - began
     recorder.flush()
@@ -235,7 +235,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     if evaluated_at != step:
         accuracy = evaluate(model, params, data, group, xp, device)
     if config.checkpoint:
-        save_checkpoint(config.checkpoint, state)
+        save_checkpoint(state, config.checkpoint)
     if writer:
         forget_trace()
         writer.close()
