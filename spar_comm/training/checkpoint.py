@@ -30,22 +30,23 @@ import datetime
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import array_api_compat
 import numpy as np
 
 from .. import __version__, redistribute, waiting
 from ..consensus import raise_if_any
-from ..costmodel import auto
 from ..errors import ConfigError, WriteError
 from ..files import (BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify,
                      write_image)
 from .config import TrainConfig
-from .distributed import Group, to_host
 from . import parts
 from .layout import ParamLayout
-from .state import TrainState
+
+if TYPE_CHECKING:  # a run's, which loads MPI: a reader of checkpoints needs neither
+    from .distributed import Group
+    from .state import TrainState
 
 #: Format 3: a part per rank; 2 (read still): every residual in the one file,
 #: the first with checksums; format 1 files are refused, saying so.
@@ -59,6 +60,8 @@ def save_checkpoint(state: TrainState, path: str) -> None:
     """Write ``state`` (after ``state.step`` steps) to ``path``. Collective over
     ``state.group``: every rank writes its own part, rank 0 the rest. State
     first, as ``spar_comm.torch.save_checkpoint(state, directory, step)``."""
+    from .distributed import to_host  # a run's arrays, on its device: loaded by a save, not by a reader
+
     group = state.group
     with waiting.watched("Bcast of the checkpoint's name", group.comm):
         token = group.comm.bcast(parts.new_token(state.step) if group.rank == 0 else None, root=0)
@@ -103,6 +106,8 @@ def _write(tmp: str, state: TrainState, token: str, written: List[tuple]) -> Non
     """The checkpoint file at ``tmp``, stamped: the state every rank holds
     alike, and the manifest of the parts ``written`` (span, checksum, whether
     it holds a velocity: one entry per rank)."""
+    from .distributed import to_host
+
     group, config, layout, shards = state.group, state.config, state.layout, state.shards
     shared = state.allreduce.shared_state()  # the same on every rank: rank 0's is saved
     os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
@@ -246,6 +251,8 @@ def _node_sizes(path: str, text: str, world: int) -> list:
 
 def _priced(path: str, text: str) -> dict:
     """The ``auto_priced`` attribute, checked as ``auto.resumed`` will take it."""
+    from ..costmodel import auto  # only for a checkpoint of algorithm="auto"; the cost model loads MPI
+
     try:
         priced = json.loads(text)
         auto.from_state(priced)
