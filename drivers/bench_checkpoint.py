@@ -13,21 +13,16 @@ millisecond during a save; the growth is its peak over the resident memory
 just before, and ``state`` is what the rank holds of the run (parameters,
 velocity, residual and aids' velocity), so ``growth / state`` says whether
 a save costs a rank its own state or the world's.
-
-It also measures versions of spar_comm from before ``save_checkpoint(path,
-state)``, whose twelve-argument form it then calls, so that a change can be
-measured before and after on one machine.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +40,7 @@ from spar_comm.training.data import Shards
 from spar_comm.training.density import make_schedule
 from spar_comm.training.distributed import Group
 from spar_comm.training.layout import ParamLayout
+from spar_comm.training.state import TrainState
 
 FIGURES = ("save_s", "load_s", "growth_kib")
 
@@ -90,7 +86,7 @@ def _rss_kib() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def build_state(group: Group, size: int, algorithm: str) -> Dict[str, Any]:
+def build_state(group: Group, size: int, algorithm: str) -> TrainState:
     """A run's state on this rank: arrays of the given size, a residual from one real call."""
     layout = ParamLayout([("w", (size,))])
     config = TrainConfig(algorithm=algorithm, density=0.001, selector="exact", trace="")
@@ -99,29 +95,8 @@ def build_state(group: Group, size: int, algorithm: str) -> Dict[str, Any]:
     allreduce = ScheduledAllreduce(group, algorithm, size, "float32", "exact", schedule)
     allreduce.reduce(0, rng.standard_normal(size).astype(np.float32), np)
     params, velocity, local = (rng.standard_normal(size).astype(np.float32) for _ in range(3))
-    return dict(group=group, config=config, layout=layout, params=params, velocity=velocity, allreduce=allreduce,
-                shards=Shards(100 * group.size, group.rank, group.size, 1, 0), schedule=schedule,
-                local_velocity=local, step=5)
-
-
-def save(path: str, parts: Dict[str, Any]) -> None:
-    """This version's save: ``save_checkpoint(path, state)``, or the older twelve-argument form."""
-    if hasattr(checkpoint, "TrainState"):
-        checkpoint.save_checkpoint(path, checkpoint.TrainState(**parts))
-    else:
-        checkpoint.save_checkpoint(path, parts["group"], parts["config"], parts["step"], parts["layout"],
-                                   parts["params"], parts["velocity"], parts["allreduce"], parts["shards"],
-                                   local_velocity=parts["local_velocity"], schedule=parts["schedule"])
-
-
-def load(path: str, parts: Dict[str, Any]) -> None:
-    saved = checkpoint.read_saved(path, parts["group"], parts["layout"])
-    if "state" in inspect.signature(checkpoint.load_checkpoint).parameters:
-        checkpoint.load_checkpoint(saved, path, checkpoint.TrainState(**parts))
-    else:
-        checkpoint.load_checkpoint(saved, path, parts["group"], parts["config"], parts["params"], parts["velocity"],
-                                   parts["allreduce"], np, local_velocity=parts["local_velocity"],
-                                   schedule=parts["schedule"])
+    return TrainState(group, config, layout, params, velocity, allreduce,
+                      Shards(100 * group.size, group.rank, group.size, 1, 0), schedule, local_velocity=local, step=5)
 
 
 def main() -> int:
@@ -130,9 +105,9 @@ def main() -> int:
     group = Group(topology)
     world = topology.world
     raise_if_any(world, unwritable(args.out) if world.rank == 0 and args.out else None)
-    parts = build_state(group, args.parameters, args.algorithm)
-    state_kib = (sum(parts[name].nbytes for name in ("params", "velocity", "local_velocity"))
-                 + parts["allreduce"].residual()[1].nbytes) // 1024
+    state = build_state(group, args.parameters, args.algorithm)
+    state_kib = (sum(array.nbytes for array in (state.params, state.velocity, state.local_velocity))
+                 + state.allreduce.residual()[1].nbytes) // 1024
     folder = args.folder or (tempfile.mkdtemp(prefix="bench_checkpoint-") if world.rank == 0 else None)
     folder = world.bcast(folder, root=0)
     rows = np.zeros((args.repeat, len(FIGURES)))
@@ -142,11 +117,11 @@ def main() -> int:
             world.Barrier()
             began = time.perf_counter()
             with PeakRSS() as memory:
-                save(path, parts)
+                checkpoint.save_checkpoint(state, path)
             saved = time.perf_counter()
             world.Barrier()
             load_began = time.perf_counter()
-            load(path, parts)
+            checkpoint.load_checkpoint(checkpoint.read_saved(path, group, state.layout), path, state)
             rows[i] = (saved - began, time.perf_counter() - load_began, memory.growth)
     finally:
         world.Barrier()

@@ -4,26 +4,44 @@
     topo = Topology(ranks_per_node=None)          # nodes found by shared memory
     ar = make_allreducer("hitopk", topo, size=n, density=0.001)
     mean_grad = ar.allreduce(flat_grad)           # identical bits on every rank
+
+The names below are loaded on first use (PEP 562): importing the package, or
+a reader of traces and checkpoints in it, loads neither MPI nor Numba, and
+MPI initialises only when something collective is made.
 """
-from .allocator import retain_freed_memory
-from .collectives import ALGORITHMS, Allreducer, selection_size
-from .costmodel.auto import make_allreducer  # the allreducers' own, with algorithm="auto" resolved above them
-from .collectives.feedback import Residual
-from .errors import ConfigError, GradientError, NonFiniteGradientError, SparCommError
-from .topology import Topology
+from __future__ import annotations
+
+import importlib
+from typing import Any, List
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ALGORITHMS",
-    "Allreducer",
-    "ConfigError",
-    "GradientError",
-    "NonFiniteGradientError",
-    "Residual",
-    "SparCommError",
-    "Topology",
-    "make_allreducer",
-    "retain_freed_memory",
-    "selection_size",
-]
+#: Each exported name -> the module that defines it.
+_EXPORTS = {
+    "ALGORITHMS": ".collectives",
+    "Allreducer": ".collectives",
+    "ConfigError": ".errors",
+    "GradientError": ".errors",
+    "NonFiniteGradientError": ".errors",
+    "Residual": ".collectives.feedback",
+    "SparCommError": ".errors",
+    "Topology": ".topology",
+    "make_allreducer": ".costmodel.auto",  # the allreducers' own, with algorithm="auto" resolved above them
+    "retain_freed_memory": ".allocator",
+    "selection_size": ".collectives",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

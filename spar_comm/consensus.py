@@ -7,11 +7,12 @@ never the hot path.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 def raise_if_any(comm: MPI.Comm, problem: Optional[str], error: type = ConfigError) -> None:

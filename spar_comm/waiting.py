@@ -58,11 +58,12 @@ import sys
 import threading
 import time
 from time import monotonic  # the watchdog's clock, apart from the pauses of ``wait``
-from typing import Any, Callable, Dict, Iterator, List, Optional
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 from .segments import remove_mapped_segments
+
+if TYPE_CHECKING:  # loaded where a job is ended or its rank named, so that importing this initialises no MPI
+    from mpi4py import MPI
 
 
 #: ``sleep`` (the default) or ``spin``; read when a ``Topology`` is made.
@@ -182,6 +183,8 @@ def job_rank() -> int:
     """This process's rank in its job, for the messages: MPI's, or where each
     process is an MPI world of one under a launcher that numbers them itself
     (torchrun's ``RANK``), the launcher's."""
+    from mpi4py import MPI
+
     world = MPI.COMM_WORLD
     launched = os.environ.get("RANK", "")
     return int(launched) if world.size == 1 and launched.isdigit() else world.rank
@@ -199,6 +202,8 @@ def end_job(message: str, status: int, comm: Optional[MPI.Comm] = None) -> None:
     the world's duplicate left a stopped rank running in 4 of 69 jobs of
     test_faults' signal test. Never returns; a second thread to call it
     waits for the end."""
+    from mpi4py import MPI
+
     if not _ENDING.acquire(blocking=False):
         threading.Event().wait()
     if comm is None or isinstance(comm, MPI.Comm):

@@ -1,5 +1,5 @@
 """spar_comm/segments.py, loaded by its path: the launcher of the MPI suites
-imports this, and must not initialise MPI (importing the spar_comm package does)."""
+imports this, and must not initialise MPI."""
 from __future__ import annotations
 
 import importlib.util

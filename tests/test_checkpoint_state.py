@@ -1,15 +1,12 @@
-"""save_checkpoint(path, state): the run's state as one value, written by
+"""save_checkpoint(state, path): the run's state as one value, written by
 every rank (its own part) and rank 0 (the rest and the manifest), read back
 to the same bits; a save cut short leaves the previous checkpoint whole; a
-checkpoint of format 2 (one file) still loads; the older twelve-argument
-form still writes the same checkpoint, with a DeprecationWarning that names
-the new call."""
+checkpoint of format 2 (one file) still loads."""
 from __future__ import annotations
 
 import os
 import shutil
 
-import h5py
 import numpy as np
 import pytest
 
@@ -42,26 +39,10 @@ def fresh_state(seed: int) -> TrainState:
     return TrainState(group, config, LAYOUT, params, velocity, allreduce, shards, schedule, step=7)
 
 
-def contents(path) -> dict:
-    """Every dataset and attribute of an HDF5 file but its date, seals and the
-    names of one save (token, checksums)."""
-    found = {}
-    with h5py.File(path, "r") as f:
-        def visit(name, item):
-            for key, value in item.attrs.items():
-                if key not in ("created", "sha256", "token"):
-                    found[f"{name}@{key}"] = np.asarray(value).tobytes() if not isinstance(value, str) else value
-            if isinstance(item, h5py.Dataset) and name != "parts/digests":
-                found[name] = item[()].tobytes()
-        f.visititems(visit)
-        visit("/", f)
-    return found
-
-
 def test_a_state_comes_back_to_the_bit(tmp_path):
     path = str(tmp_path / "ck.h5")
     state = fresh_state(1)
-    save_checkpoint(path, state)
+    save_checkpoint(state, path)
     other = fresh_state(2)  # every array differs before the load
     assert not np.array_equal(other.params, state.params)
     load_checkpoint(read_saved(path, other.group, LAYOUT), path, other)
@@ -72,19 +53,6 @@ def test_a_state_comes_back_to_the_bit(tmp_path):
     assert span == other_span and theirs.tobytes() == mine.tobytes()
     assert other.schedule.accumulated.tobytes() == state.schedule.accumulated.tobytes()
     assert other.schedule.density == state.schedule.density
-
-
-def test_the_older_form_warns_and_writes_the_same_file(tmp_path):
-    state = fresh_state(1)
-    save_checkpoint(str(tmp_path / "new.h5"), state)
-    with pytest.warns(DeprecationWarning, match=r"save_checkpoint\(path, state\)"):
-        save_checkpoint(str(tmp_path / "old.h5"), state.group, state.config, state.step, state.layout, state.params,
-                        state.velocity, state.allreduce, state.shards, local_velocity=None, schedule=state.schedule,
-                        priced=None)
-    for new, old in ((tmp_path / "new.h5", tmp_path / "old.h5"), (one_part(tmp_path / "new.h5"), one_part(tmp_path / "old.h5"))):
-        new, old = contents(new), contents(old)
-        assert new.keys() == old.keys() and new == old
-    assert "parts/spans" in contents(tmp_path / "new.h5") and "residual" in contents(one_part(tmp_path / "new.h5"))
 
 
 def one_part(path) -> str:
@@ -103,7 +71,7 @@ def load(path: str, seed: int = 2) -> TrainState:
 def test_a_save_cut_short_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
     path = str(tmp_path / "ck.h5")
     first = fresh_state(1)
-    save_checkpoint(path, first)
+    save_checkpoint(first, path)
     later = fresh_state(3)
     later.step = 9
     real = os.replace
@@ -115,20 +83,20 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_whole(tmp_path, monkeyp
 
     monkeypatch.setattr(checkpoint.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(path, later)
+        save_checkpoint(later, path)
     monkeypatch.undo()
     assert len(os.listdir(parts.folder(path))) == 2  # the cut save's part is there, and not taken
     back = load(path)
     assert back.step == 7 and back.params.tobytes() == first.params.tobytes()
     assert back.allreduce.residual()[1].tobytes() == first.allreduce.residual()[1].tobytes()
-    save_checkpoint(path, later)  # the next whole save removes the older and the unfinished parts
+    save_checkpoint(later, path)  # the next whole save removes the older and the unfinished parts
     assert len(os.listdir(parts.folder(path))) == 1 and load(path).step == 9
 
 
 def test_a_missing_or_foreign_part_is_refused_by_name(tmp_path):
     path, other = str(tmp_path / "ck.h5"), str(tmp_path / "other.h5")
-    save_checkpoint(path, fresh_state(1))
-    save_checkpoint(other, fresh_state(1))
+    save_checkpoint(fresh_state(1), path)
+    save_checkpoint(fresh_state(1), other)
     mine, theirs = one_part(path), one_part(other)
     shutil.copyfile(theirs, mine)  # the same rank and step, another save
     with pytest.raises(BadFileError, match="not the file its checkpoint names") as caught:
@@ -171,7 +139,3 @@ def test_a_checkpoint_of_format_2_still_loads(tmp_path):
     assert back.allreduce.residual()[1].tobytes() == state.allreduce.residual()[1].tobytes()
     assert back.schedule.accumulated.tobytes() == state.schedule.accumulated.tobytes()
 
-
-def test_the_state_form_takes_nothing_more(tmp_path):
-    with pytest.raises(TypeError, match="nothing more"):
-        save_checkpoint(str(tmp_path / "ck.h5"), fresh_state(1), 7)

@@ -29,25 +29,24 @@ import dataclasses
 import datetime
 import json
 import os
-import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import array_api_compat
 import numpy as np
 
 from .. import __version__, redistribute, waiting
 from ..consensus import raise_if_any
-from ..costmodel import auto
 from ..errors import ConfigError, WriteError
 from ..files import (BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify,
                      write_image)
 from .config import TrainConfig
-from .data import Shards
-from .distributed import Group, to_host
 from . import parts
 from .layout import ParamLayout
-from .state import TrainState
+
+if TYPE_CHECKING:  # a run's, which loads MPI: a reader of checkpoints needs neither
+    from .distributed import Group
+    from .state import TrainState
 
 #: Format 3: a part per rank; 2 (read still): every residual in the one file,
 #: the first with checksums; format 1 files are refused, saying so.
@@ -57,18 +56,12 @@ OLDER = (f"no checksum: a checkpoint of format 1 (or another program's HDF5 file
          f"reads formats {READS[0]} and {READS[1]}, so resume it with the version that wrote it, or start afresh")
 
 
-def save_checkpoint(path: str, state: TrainState, *legacy: Any, **legacy_keywords: Any) -> None:
+def save_checkpoint(state: TrainState, path: str) -> None:
     """Write ``state`` (after ``state.step`` steps) to ``path``. Collective over
-    ``state.group``: every rank writes its own part, rank 0 the rest.
+    ``state.group``: every rank writes its own part, rank 0 the rest. State
+    first, as ``spar_comm.torch.save_checkpoint(state, directory, step)``."""
+    from .distributed import to_host  # a run's arrays, on its device: loaded by a save, not by a reader
 
-    The older form ``save_checkpoint(path, group, config, step, layout, params,
-    velocity, reducer, shards, local_velocity=None, schedule=None,
-    priced=None)`` still works, with a DeprecationWarning.
-    """
-    if not isinstance(state, TrainState):
-        state = _legacy_state(state, *legacy, **legacy_keywords)
-    elif legacy or legacy_keywords:
-        raise TypeError("save_checkpoint(path, state) takes nothing more")
     group = state.group
     with waiting.watched("Bcast of the checkpoint's name", group.comm):
         token = group.comm.bcast(parts.new_token(state.step) if group.rank == 0 else None, root=0)
@@ -109,22 +102,12 @@ def _write_file(path: str, state: TrainState, token: str, written: List[tuple]) 
     return None
 
 
-def _legacy_state(group: Group, config: TrainConfig, step: int, layout: ParamLayout, params: Any, velocity: Any,
-                  reducer: Any, shards: Shards, local_velocity: Any = None, schedule: Any = None,
-                  priced: Optional[dict] = None) -> TrainState:
-    """The ``TrainState`` that the twelve arguments of the older form describe."""
-    warnings.warn("save_checkpoint(path, group, config, step, layout, params, velocity, reducer, shards, ...) is "
-                  "deprecated: build a spar_comm.training.TrainState and call save_checkpoint(path, state)",
-                  DeprecationWarning, stacklevel=3)
-    pricing = None if priced is None else auto.resumed(group.topology, priced)
-    return TrainState(group, config, layout, params, velocity, reducer, shards, schedule, pricing, local_velocity,
-                      step)
-
-
 def _write(tmp: str, state: TrainState, token: str, written: List[tuple]) -> None:
     """The checkpoint file at ``tmp``, stamped: the state every rank holds
     alike, and the manifest of the parts ``written`` (span, checksum, whether
     it holds a velocity: one entry per rank)."""
+    from .distributed import to_host
+
     group, config, layout, shards = state.group, state.config, state.layout, state.shards
     shared = state.allreduce.shared_state()  # the same on every rank: rank 0's is saved
     os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
@@ -268,6 +251,8 @@ def _node_sizes(path: str, text: str, world: int) -> list:
 
 def _priced(path: str, text: str) -> dict:
     """The ``auto_priced`` attribute, checked as ``auto.resumed`` will take it."""
+    from ..costmodel import auto  # only for a checkpoint of algorithm="auto"; the cost model loads MPI
+
     try:
         priced = json.loads(text)
         auto.from_state(priced)

@@ -12,8 +12,9 @@ from mpi4py import MPI
 
 from ..collectives import ALGORITHMS, AUTO
 from ..collectives.codecs import INDICES, VALUES
+from ..memory import DEVICES
 from ..topology import ENV_RANKS_PER_NODE
-from .config import DATASETS, DENSITY_SCHEDULES, DEVICES, MODELS, SCHEDULES, TrainConfig
+from .config import DATASETS, DENSITY_SCHEDULES, MODELS, SCHEDULES, TrainConfig
 
 #: train.py's description (the first paragraph of its --help).
 DESCRIPTION = "Data-parallel training with sparsified gradient allreduce: the command line\nof ``spar_comm.training``."

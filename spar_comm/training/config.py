@@ -8,9 +8,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from ..collectives.checks import CODECS
-from ..collectives.codecs import INDICES, VALUES
-from ..memory import DEVICES  # where a run computes: cpu, gpu, or gpu-simulator (the GPU path on the CPU)
 from .density import SCHEDULES as DENSITY_SCHEDULES
 
 MODELS = ("mlp", "softmax", "cnn")
@@ -74,6 +71,12 @@ class TrainConfig:
 
     def problems(self) -> List[str]:
         """What is wrong with these settings, each as one sentence (empty if none)."""
+        # The codecs and devices are the collectives' own, which load MPI and the
+        # kernels: imported here, where a run starts, not where a file is read.
+        from ..collectives.checks import CODECS
+        from ..collectives.codecs import INDICES, VALUES
+        from ..memory import DEVICES  # where a run computes: cpu, gpu, or gpu-simulator (the GPU path on the CPU)
+
         found = []
         if self.model not in MODELS:
             found.append(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")

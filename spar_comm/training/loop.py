@@ -31,7 +31,7 @@ from .config import TrainConfig
 from .control import SAVE, STOPS, WRITE_FAILED, StopControl
 from .data import Dataset, Shards, dataset_problem, load_dataset
 from .distributed import Group, array_backend
-from .models import MLP
+from .models import build_model
 from .optim import SGD
 from .schedule import LearningRate
 from .state import TrainState
@@ -78,17 +78,6 @@ class Summary:
 
     def _share(self, seconds: float) -> float:
         return 100.0 * seconds / self.step_s if self.step_s > 0 else 0.0
-
-
-def build_model(config: TrainConfig, data: Dataset, xp: Any, device: Any) -> Any:
-    """The model the config names, in the array namespace ``xp``."""
-    if config.model == "cnn":
-        from .torch_model import small_cnn
-
-        where = f"cuda:{device.id}" if config.device == "gpu" else "cpu"  # device: CuPy's, for gpu
-        return small_cnn(config.seed, data.n_classes, config.dtype, where)
-    depth = 0 if config.model == "softmax" else config.depth
-    return MLP(data.n_features, data.n_classes, config.hidden, depth, xp, config.dtype, device)
 
 
 def evaluate(model: Any, params: Any, data: Dataset, group: Group, xp: Any, device: Any) -> float:
@@ -254,7 +243,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         due = flags & SAVE or (config.checkpoint_every and step % config.checkpoint_every == 0)
         if due and step < total and not reason:
             recorder.flush()  # the trace then holds every step the checkpoint covers
-            save_checkpoint(config.checkpoint, state)
+            save_checkpoint(state, config.checkpoint)
             stop.saved()
     wall = time.perf_counter() - began
     recorder.flush()
@@ -265,7 +254,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     if evaluated_at != step:
         accuracy = evaluate(model, params, data, group, xp, device)
     if config.checkpoint:
-        save_checkpoint(config.checkpoint, state)
+        save_checkpoint(state, config.checkpoint)
     if writer:
         forget_trace()
         writer.close()

@@ -1,5 +1,7 @@
 """Built-in models: an MLP (softmax regression when it has no hidden layer),
-written with Python array API operations and a hand-written backward pass.
+written with Python array API operations and a hand-written backward pass,
+and ``build_model``, the model a config names (here, not in the loop, so
+that reading a checkpoint's parameters by name needs no MPI).
 
 A model is anything with ``layout`` (a ParamLayout), ``init(seed)`` (the
 flat parameter vector), ``loss_and_grad(params, batch) -> (loss, grad)`` with
@@ -11,6 +13,8 @@ from typing import Any, Tuple
 
 import numpy as np
 
+from .config import TrainConfig
+from .data import Dataset
 from .layout import ParamLayout
 
 
@@ -74,3 +78,14 @@ class MLP:
             z = acts[-1] @ p[f"layer{i}.weight"] + p[f"layer{i}.bias"]
             acts.append(self.xp.maximum(z, 0) if i < self.layers - 1 else z)
         return acts
+
+
+def build_model(config: TrainConfig, data: Dataset, xp: Any, device: Any) -> Any:
+    """The model the config names, in the array namespace ``xp``."""
+    if config.model == "cnn":
+        from .torch_model import small_cnn
+
+        where = f"cuda:{device.id}" if config.device == "gpu" else "cpu"  # device: CuPy's, for gpu
+        return small_cnn(config.seed, data.n_classes, config.dtype, where)
+    depth = 0 if config.model == "softmax" else config.depth
+    return MLP(data.n_features, data.n_classes, config.hidden, depth, xp, config.dtype, device)

@@ -1,7 +1,7 @@
 """A run's state as one value: everything ``train`` continues from.
 
 A checkpoint saves a ``TrainState`` and a resume restores one
-(``save_checkpoint(path, state)``, ``load_checkpoint(saved, path, state)``),
+(``save_checkpoint(state, path)``, ``load_checkpoint(saved, path, state)``),
 so a new piece of state is a field here, not one more parameter of both.
 Its parts keep their own state dicts where they have one (the density
 schedule's, the allreducer's residual and shared state), as nanoGPT's

@@ -25,16 +25,17 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence
 
 import h5py
 import numpy as np
-from mpi4py import MPI
 
 from .. import waiting
 from ..files import (DIGEST, BadFileError, attribute, create_hdf5, dataset, finite, fixed_length_text, open_hdf5, seal,
                      stamp, system_error, text_attributes, unstamp, verify)
-from ..mpi_strings import library_version
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 PHASES = ("data", "compute", "select", "comm_intra", "comm_inter", "update", "step")
 BYTES = ("intra", "inter")
@@ -147,6 +148,8 @@ class TraceWriter:
         self.file.swmr_mode = True
 
     def _create(self, world: int, attrs: Dict[str, Any], hosts: list) -> None:
+        from ..mpi_strings import library_version  # MPI's: a reader of traces loads none
+
         f = self.file
         f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
         f.attrs["mpi_library"] = library_version()
