@@ -89,10 +89,12 @@ class InOrder:
 class Engine:
     """The reductions of one way in's buckets over ``comm`` (see the module's
     docstring). ``density`` is the next step's, settable between steps up
-    to the settings' ``max_density``."""
+    to the settings' ``max_density``. ``among``: the algorithms ``auto`` may
+    choose from (default: all), where a way in can use only some."""
 
-    def __init__(self, reduction: Reduction, comm: Any, grad_scaler: Any = None):
-        self.reduction, self.comm, self.grad_scaler = reduction, comm, grad_scaler
+    def __init__(self, reduction: Reduction, comm: Any, grad_scaler: Any = None,
+                 among: Optional[Tuple[str, ...]] = None):
+        self.reduction, self.comm, self.grad_scaler, self.among = reduction, comm, grad_scaler, among
         self.density = reduction.allreducer.density
         self.step_density = self.density
         self.scale = 1.0  # the loss scale the residuals are in units of
@@ -126,7 +128,7 @@ class Engine:
             algorithm = self.reduction.algorithm
             if options:
                 settings = settings.replace(options={**settings.options, **options})
-        return auto.build_allreducer(algorithm, topology, size, dtype, settings, self.pricing)
+        return auto.build_allreducer(algorithm, topology, size, dtype, settings, self.pricing, self.among)
 
     def begin_step(self, reducers: Iterable[Allreducer], carried: Iterable[torch.Tensor] = ()) -> None:
         """As a step's first bucket starts, on the communication thread: take the
