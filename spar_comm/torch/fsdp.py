@@ -377,7 +377,9 @@ def _fsdp_groups(model: torch.nn.Module) -> Tuple[Dict[str, Any], Any, Optional[
             return {}, None, f"FSDP module {name!r} has {len(found)} parameter groups; the hook takes one a module"
         if found:
             groups[name] = found[0]
-    meshes = {id(group.mesh_info.mesh): group.mesh_info.mesh for group in groups.values()}
+    # By their ranks: ``mesh["shard"]`` makes a new DeviceMesh at every call.
+    meshes = {(tuple(group.mesh_info.mesh.mesh.shape), tuple(group.mesh_info.mesh.mesh.flatten().tolist()),
+               group.mesh_info.mesh.mesh_dim_names): group.mesh_info.mesh for group in groups.values()}
     if len(meshes) != 1:
         return {}, None, f"the FSDP modules shard on {len(meshes)} meshes; the hook needs one, the node's"
     (mesh,) = meshes.values()
