@@ -128,6 +128,19 @@ def test_hsdp_with_the_hook_is_torchs_hsdp_conserves_and_refuses_a_wrong_mesh(no
 
 
 @pytest.mark.slow
+def test_the_fsdp_example_trains_hsdp_under_torchrun_with_identical_replicas():
+    """drivers/train_fsdp.py on 2 emulated nodes of 2: the world and nodes, a
+    validation loss, and every replica's shards those of the first node."""
+    run, left = torchrun(4, ROOT / "drivers" / "train_fsdp.py", "--steps", "10",
+                         env={"SPAR_COMM_RANKS_PER_NODE": "2"}, limit=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("world 4: 2 nodes of 2 ranks [[0, 1], [2, 3]]; between nodes: topka"), lines
+    assert any(line.startswith("validation loss ") for line in lines), lines
+    assert lines[-1] == "parameters identical on all 4 ranks" and left == 0, lines
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_the_state_round_trips_through_torch_distributed_checkpoint_rank_by_rank(ranks):
     """tests/torchrun_state.py: the optimizer's and the hook's state saved and
