@@ -196,6 +196,32 @@ class Engine:
             abort_job(self.comm, what)
 
 
+class EngineOwner:
+    """What a way in's state shows of its ``_engine``: the algorithm, the
+    density, settable between steps up to ``max_density``, and what ``auto`` priced."""
+
+    _engine: Engine
+
+    @property
+    def algorithm(self) -> str:
+        return self._engine.reduction.algorithm
+
+    @property
+    def density(self) -> float:
+        """The sparse buckets' density from the next step on: settable between
+        steps, alike on every rank, up to ``max_density``."""
+        return self._engine.density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        self._engine.density = value
+
+    @property
+    def pricing(self) -> Optional[auto.Pricing]:
+        """What ``algorithm="auto"`` priced, on the first bucket (None otherwise)."""
+        return self._engine.pricing
+
+
 def reduction_of(algorithm: str, non_finite: str, options: Dict[str, Any], **settings: Any) -> Reduction:
     """The ``Reduction`` of a way in's keyword arguments: ``settings`` are
     ``Settings`` fields; ``options`` may hold more of them (``max_density``,

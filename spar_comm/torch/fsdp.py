@@ -38,11 +38,10 @@ from mpi4py import MPI
 from .. import waiting
 from ..collectives import AUTO, Allreducer
 from ..consensus import raise_if_any, require_same
-from ..costmodel import auto
 from ..errors import ConfigError, SparCommError
 from ..topology import Topology, ranks_per_node_setting
 from .backward_end import EndOfBackward, after_queued
-from .engine import Engine, Reduction, reduction_of
+from .engine import Engine, EngineOwner, Reduction, reduction_of
 from .state import HSDP_STATE_FORMAT, hsdp_residuals, rank_key
 from .transport import backends, node_name
 from .world import job_comm, require_job_world
@@ -139,7 +138,7 @@ class _Shard:
         self.carry: Optional[torch.Tensor] = None
 
 
-class HSDPState:
+class HSDPState(EngineOwner):
     """The hook's state: an allreducer per FSDP module over the replica
     group, and the residuals. ``state_dict()`` / ``load_state_dict()``
     between steps; ``density`` settable between steps, alike on every rank.
@@ -162,24 +161,6 @@ class HSDPState:
         self._loaded: Dict[str, Tuple[Tuple[int, int], np.ndarray]] = {}
         self._step_open = False
         self._backward_end = EndOfBackward(lambda: after_queued(self._step_ended))
-
-    @property
-    def algorithm(self) -> str:
-        return self.reduction.algorithm
-
-    @property
-    def density(self) -> float:
-        """The sparse groups' density from the next step on, up to ``max_density``."""
-        return self._engine.density
-
-    @density.setter
-    def density(self, value: float) -> None:
-        self._engine.density = value
-
-    @property
-    def pricing(self) -> Optional[auto.Pricing]:
-        """What ``algorithm="auto"`` priced, on the first call (None otherwise)."""
-        return self._engine.pricing
 
     # -- the hook (backward's thread) ------------------------------------------------------
     def hook(self, name: str, output: torch.Tensor) -> None:
