@@ -29,8 +29,9 @@ from .mpi_strings import processor_name
 ENV_RANKS_PER_NODE = "SPAR_COMM_RANKS_PER_NODE"
 
 
-def _ranks_per_node(given: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
-    """The emulated node size from the argument or the environment, or a problem."""
+def ranks_per_node_setting(given: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
+    """The emulated node size from the argument or the environment (None:
+    nodes are real), or a problem."""
     source, value = "ranks_per_node", given
     if value is None:
         text = os.environ.get(ENV_RANKS_PER_NODE, "").strip()
@@ -68,7 +69,7 @@ class Topology:
 
     def __init__(self, comm: Optional[MPI.Comm] = None, ranks_per_node: Optional[int] = None, device: str = "cpu"):
         comm = MPI.COMM_WORLD if comm is None else comm
-        emulated, problem = _ranks_per_node(ranks_per_node)
+        emulated, problem = ranks_per_node_setting(ranks_per_node)
         raise_if_any(comm, problem or waiting.read_environment())
         # Patient: ranks arrive here after imports and data loading of their own.
         with waiting.watched("making the topology", comm, patient=True):

@@ -17,6 +17,7 @@ from spar_comm.memory import HOST  # noqa: E402
 from spar_comm.torch.buckets import device_problem  # noqa: E402
 from spar_comm.torch.engine import InOrder  # noqa: E402
 from spar_comm.torch.streams import NoStreams, streams_for, tensor_device  # noqa: E402
+from spar_comm.torch.fsdp import replica_groups  # noqa: E402
 from spar_comm.torch.world import rank_problem  # noqa: E402
 
 GPU0 = SimpleNamespace(name="gpu", index=0)
@@ -142,3 +143,40 @@ def test_in_order_releases_each_round_in_index_order_whatever_the_arrival(rounds
             released += order.arrived(index, (len(released), index), last=index == n - 1)
         assert order.next == 0
     assert [index for _, index in released] == [i for n in rounds for i in range(n)]
+
+
+def nodes_of(*nodes):
+    """What each rank tells ``replica_groups`` when the nodes are ``nodes`` (FSDP's order) and no mesh is given."""
+    told = {r: (tuple(node), None) for node in nodes for r in node}
+    return [told[r] for r in sorted(told)]
+
+
+@pytest.mark.parametrize("nodes, groups", [
+    (((0, 1), (2, 3)), [(0, 2), (1, 3)]),
+    (((0, 1, 2), (3, 4, 5)), [(0, 3), (1, 4), (2, 5)]),
+    (((0, 2), (1, 3)), [(0, 1), (2, 3)]),      # nodes that are not blocks of consecutive ranks
+    (((1, 0), (2, 3)), [(1, 2), (0, 3)]),      # the shard index is the place in FSDP's mesh
+    (((0, 1, 2, 3),), [(0,), (1,), (2,), (3,)]),  # one node: replica groups of one rank
+])
+def test_the_replica_groups_are_the_ranks_at_one_place_in_every_node(nodes, groups):
+    assert replica_groups(nodes_of(*nodes)) == (groups, None)
+
+
+def test_a_users_mesh_must_name_the_same_replica_groups():
+    told = nodes_of((0, 1), (2, 3))
+    assert replica_groups([(shard, (0, 2) if r % 2 == 0 else (1, 3)) for r, (shard, _) in enumerate(told)]) \
+        == ([(0, 2), (1, 3)], None)
+    crossed = [(shard, shard) for shard, _ in told]  # the mesh's "rep" dimension is the node
+    assert "rank 0's replica group in the mesh is [0, 1], but the ranks that hold its shard on every node are " \
+           "[0, 2]" in replica_groups(crossed)[1]
+
+
+@pytest.mark.parametrize("told, expected", [
+    (nodes_of((0, 1), (2,)), "the nodes' FSDP meshes hold [1, 2] ranks"),
+    ([((0, 1), None), ((1, 2), None), ((1, 2), None)], "no partition of the job's 3 ranks"),
+    ([((0, 1), None), ((0, 1), None), ((0, 1), None)], "rank 2's FSDP mesh [0, 1] does not hold rank 2"),
+    ([((0, 1), (0, 2)), ((0, 1), None), ((2, 3), None), ((2, 3), None)], "ranks [0] gave a mesh"),
+])
+def test_groups_that_are_no_hsdp_mesh_are_refused(told, expected):
+    groups, problem = replica_groups(told)
+    assert groups == [] and expected in problem, problem

@@ -109,6 +109,38 @@ def test_ddp_over_a_gloo_group_is_exact_conserves_and_survives_a_nan(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 3), (3, 2)])
+def test_hsdp_with_the_hook_is_torchs_hsdp_conserves_and_refuses_a_wrong_mesh(nodes, per_node):
+    """tests/torchrun_fsdp.py on emulated nodes: FSDP2 sharded inside each
+    node, reduced between nodes by hsdp_hook. ``dense`` ends on torch's own
+    HSDP (2-D mesh) with force-sum, accumulation and mixed precision;
+    ``topka`` conserves per shard with a shard's residual and the same
+    shards on every replica; an Inf is NaN everywhere with the residuals
+    kept; a save resumes to the bit; a wrong mesh is refused alike."""
+    ranks = nodes * per_node
+    run, left = torchrun(ranks, ROOT / "tests" / "torchrun_fsdp.py",
+                         env={"SPAR_COMM_RANKS_PER_NODE": str(per_node)}, limit=150)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summaries = [line.partition(": ")[2] for line in run.stdout.splitlines() if line.startswith("rank ")
+                 and line.endswith(" failed")]
+    assert summaries == ["0 failed"] * ranks, run.stdout[-4000:]
+    assert f"mesh ({nodes}, {per_node})" in run.stdout and left == 0
+
+
+@pytest.mark.slow
+def test_the_fsdp_example_trains_hsdp_under_torchrun_with_identical_replicas():
+    """drivers/train_fsdp.py on 2 emulated nodes of 2: the world and nodes, a
+    validation loss, and every replica's shards those of the first node."""
+    run, left = torchrun(4, ROOT / "drivers" / "train_fsdp.py", "--steps", "10",
+                         env={"SPAR_COMM_RANKS_PER_NODE": "2"}, limit=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("world 4: 2 nodes of 2 ranks [[0, 1], [2, 3]]; between nodes: topka"), lines
+    assert any(line.startswith("validation loss ") for line in lines), lines
+    assert lines[-1] == "parameters identical on all 4 ranks" and left == 0, lines
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_the_state_round_trips_through_torch_distributed_checkpoint_rank_by_rank(ranks):
     """tests/torchrun_state.py: the optimizer's and the hook's state saved and

@@ -39,16 +39,19 @@ class Pricing:
     transport: str = "mpi"
 
     def choose(self, size: Any, dtype: Any, density: Any, selector: Any, values: Optional[str] = None,
-               indices: Optional[str] = None) -> str:
+               indices: Optional[str] = None, among: Optional[Tuple[str, ...]] = None) -> str:
         """The fastest algorithm for a bucket; with codecs (``values``,
-        ``indices``), the fastest of those that take them. Settings the
+        ``indices``), the fastest of those that take them; with ``among``,
+        of those named there (the ones a way in can use). Settings the
         allreducers would refuse get ``dense``, whose constructor then raises
         the same ConfigError on every rank."""
         try:
             valid = int(size) >= 1 and 0 < float(density) <= 1 and selector in self.machine.select
             if valid:
-                return fastest(predict(self.cluster, int(size), self.machine, np.dtype(dtype).name,
-                                       float(density), selector, values=values, indices=indices))
+                times = predict(self.cluster, int(size), self.machine, np.dtype(dtype).name, float(density),
+                                selector, values=values, indices=indices)
+                return fastest({name: t for name, t in times.items() if among is None or name in among}
+                               or {"dense": 0.0})
         except (TypeError, ValueError, OverflowError):
             pass
         return "dense"
@@ -117,10 +120,11 @@ def price(topology: Topology) -> Pricing:
 
 
 def choice(topology: Topology, pricing: Pricing, size: Any, dtype: Any, density: Any, selector: Any,
-           values: Optional[str] = None, indices: Optional[str] = None) -> str:
+           values: Optional[str] = None, indices: Optional[str] = None,
+           among: Optional[Tuple[str, ...]] = None) -> str:
     """``pricing.choose``, checked to be the same on every rank (collective):
     never two allreducers at once."""
-    chosen = pricing.choose(size, dtype, density, selector, values=values, indices=indices)
+    chosen = pricing.choose(size, dtype, density, selector, values=values, indices=indices, among=among)
     require_same(topology.world, "auto's choice", {"algorithm": chosen})
     return chosen
 
@@ -178,13 +182,14 @@ def make_allreducer(
 
 
 def build_allreducer(algorithm: str, topology: Topology, size: int, dtype: Any, settings: Settings,
-                     pricing: Optional[Pricing] = None) -> Allreducer:
+                     pricing: Optional[Pricing] = None, among: Optional[Tuple[str, ...]] = None) -> Allreducer:
     """``make_allreducer`` from a settings value: ``auto`` resolved by
-    ``pricing``, then ``collectives.build``. Collective."""
+    ``pricing`` (choosing ``among`` those named, where given), then
+    ``collectives.build``. Collective."""
     raise_if_any(topology.world, collectives.unknown_algorithm(algorithm))
     require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
     if algorithm == AUTO:
         pricing = pricing if pricing is not None else price(topology)
         algorithm = choice(topology, pricing, size, dtype, settings.density, settings.selector, settings.values,
-                           settings.indices)
+                           settings.indices, among)
     return collectives.build(algorithm, topology, size, dtype, settings)

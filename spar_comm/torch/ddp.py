@@ -34,12 +34,11 @@ import torch
 
 from ..collectives import Allreducer
 from ..consensus import raise_if_any, require_same
-from ..costmodel import auto
 from ..errors import SparCommError
 from ..topology import Topology
 from .backward_end import EndOfBackward, after_queued
 from .comm_thread import CommThread
-from .engine import Engine, InOrder, Reduction, reduction_of
+from .engine import Engine, EngineOwner, InOrder, Reduction, reduction_of
 from .state import HOOK_STATE_FORMAT, Coordinate, hook_residuals, rank_key
 from .streams import NoStreams, as_tensor, streams_for
 from .world import job_comm, require_job_world
@@ -72,7 +71,7 @@ class _HookBucket:
         return full[self.offsets[i] : self.offsets[i + 1]]
 
 
-class HookState:
+class HookState(EngineOwner):
     """The hook's state: one allreducer per DDP bucket, and the residuals.
 
     ``state_dict()`` / ``load_state_dict()`` carry this rank's residuals in
@@ -95,25 +94,6 @@ class HookState:
         self._thread: Optional[CommThread] = None
         self._backward_end = EndOfBackward(lambda: after_queued(self._iteration_ended))  # after DDP's own
         self._taken: Dict[int, torch.Tensor] = {}  # id(parameter) -> carry taken this iteration
-
-    @property
-    def algorithm(self) -> str:
-        return self.reduction.algorithm
-
-    @property
-    def density(self) -> float:
-        """The sparse buckets' density from the next iteration on: settable
-        between iterations, up to ``max_density``."""
-        return self._engine.density
-
-    @density.setter
-    def density(self, value: float) -> None:
-        self._engine.density = value
-
-    @property
-    def pricing(self) -> Optional[auto.Pricing]:
-        """What ``algorithm="auto"`` priced, on the first bucket (None otherwise)."""
-        return self._engine.pricing
 
     # -- the hook (autograd's thread) ----------------------------------------------------
     def submit(self, bucket: Any) -> torch.futures.Future:

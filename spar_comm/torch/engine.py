@@ -89,10 +89,12 @@ class InOrder:
 class Engine:
     """The reductions of one way in's buckets over ``comm`` (see the module's
     docstring). ``density`` is the next step's, settable between steps up
-    to the settings' ``max_density``."""
+    to the settings' ``max_density``. ``among``: the algorithms ``auto`` may
+    choose from (default: all), where a way in can use only some."""
 
-    def __init__(self, reduction: Reduction, comm: Any, grad_scaler: Any = None):
-        self.reduction, self.comm, self.grad_scaler = reduction, comm, grad_scaler
+    def __init__(self, reduction: Reduction, comm: Any, grad_scaler: Any = None,
+                 among: Optional[Tuple[str, ...]] = None):
+        self.reduction, self.comm, self.grad_scaler, self.among = reduction, comm, grad_scaler, among
         self.density = reduction.allreducer.density
         self.step_density = self.density
         self.scale = 1.0  # the loss scale the residuals are in units of
@@ -126,7 +128,7 @@ class Engine:
             algorithm = self.reduction.algorithm
             if options:
                 settings = settings.replace(options={**settings.options, **options})
-        return auto.build_allreducer(algorithm, topology, size, dtype, settings, self.pricing)
+        return auto.build_allreducer(algorithm, topology, size, dtype, settings, self.pricing, self.among)
 
     def begin_step(self, reducers: Iterable[Allreducer], carried: Iterable[torch.Tensor] = ()) -> None:
         """As a step's first bucket starts, on the communication thread: take the
@@ -192,6 +194,32 @@ class Engine:
             self.errors.append(error)
         except BaseException:
             abort_job(self.comm, what)
+
+
+class EngineOwner:
+    """What a way in's state shows of its ``_engine``: the algorithm, the
+    density, settable between steps up to ``max_density``, and what ``auto`` priced."""
+
+    _engine: Engine
+
+    @property
+    def algorithm(self) -> str:
+        return self._engine.reduction.algorithm
+
+    @property
+    def density(self) -> float:
+        """The sparse buckets' density from the next step on: settable between
+        steps, alike on every rank, up to ``max_density``."""
+        return self._engine.density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        self._engine.density = value
+
+    @property
+    def pricing(self) -> Optional[auto.Pricing]:
+        """What ``algorithm="auto"`` priced, on the first bucket (None otherwise)."""
+        return self._engine.pricing
 
 
 def reduction_of(algorithm: str, non_finite: str, options: Dict[str, Any], **settings: Any) -> Reduction:

@@ -13,7 +13,9 @@ torch names a group by a counter that every rank of the job must step
 alike (a group made by its members alone is named by how many groups each
 member already has, which differs between ranks), so every rank makes
 every colour's group, in colour order: a comm splits only when it spans
-the whole job. The nonblocking forms complete at once: gloo waits without
+the whole job, or when it is one part of a partition of the job split
+from it (every rank in one part), all of whose parts split at once, as the
+replica groups of sharded data parallel do at start-up (``fsdp.py``). The nonblocking forms complete at once: gloo waits without
 spinning, and NCCL's work is ordered on the device. Nodes (``Split_type``)
 are torchrun's groups (``GROUP_RANK``) where set, else the hosts' names.
 
@@ -88,6 +90,11 @@ def _bytes(buf: Any) -> torch.Tensor:
     return _tensor(buf).view(torch.uint8)
 
 
+def node_name() -> str:
+    """What names this process's node to a torch job: torchrun's ``GROUP_RANK`` where set, else the host's name."""
+    return os.environ.get("GROUP_RANK") or processor_name()
+
+
 def backends(group: Any) -> Tuple[Optional[str], Optional[str]]:
     """The backends of ``group`` for host and for CUDA tensors, None where it has
     none: ``"gloo"`` serves both, ``"nccl"`` CUDA alone, and a group made with
@@ -140,9 +147,13 @@ class TorchComm:
     #: What ``Topology.transport`` says: no MPI windows (``collectives/windows.py``), no MPI timing of the link.
     transport = "torch"
 
-    def __init__(self, group: Any, ranks: Sequence[int]):
+    def __init__(self, group: Any, ranks: Sequence[int], job: Optional["TorchComm"] = None):
         self.group, self.ranks = group, list(ranks)
         self.size = len(self.ranks)
+        #: The whole job's comm, over which this comm's splits are agreed: set
+        #: where this comm is the job, or one part of a partition split from
+        #: it; None for any other group (it cannot split).
+        self.job: Optional[TorchComm] = self if self.size == dist.get_world_size() else job
         self.rank = self.ranks.index(dist.get_rank())
         self.name = ""
         self._host_backend, self._device_backend = backends(group)
@@ -207,28 +218,33 @@ class TorchComm:
 
     # -- communicators --------------------------------------------------------------
     def Split(self, color: int = 0, key: int = 0) -> Any:  # noqa: N802
-        """Collective: the ranks of each ``color`` in a group of their own, by
-        ``key`` then rank (which must keep the job's order); ``MPI.COMM_NULL``
-        for ``MPI.UNDEFINED``. Every rank makes every group (see the module's
-        docstring), so this comm must span the job."""
-        everyone = self.allgather((color, key, self.rank))
-        if self.size != dist.get_world_size():
+        """Collective over the whole job: the ranks of each ``color`` in a
+        group of their own, by ``key`` then rank (which must keep the job's
+        order); ``MPI.COMM_NULL`` for ``MPI.UNDEFINED``. Every rank of the job
+        makes every group (see the module's docstring), so this comm must span
+        the job, or be one part of a partition of it whose parts all split now."""
+        if self.job is None:
             raise ConfigError(f"spar_comm over torch.distributed splits only a group of the whole job "
-                              f"({dist.get_world_size()} ranks); this one has {self.size}")
+                              f"({dist.get_world_size()} ranks), or one of a partition split from it; this one has "
+                              f"{self.size}")
+        # Each part named by its first rank in the job; a colour's group by (part, colour).
+        everyone = self.job.allgather((self.ranks[0], color, key, self.rank, dist.get_rank()))
+        partition = all(c != MPI.UNDEFINED for _, c, _, _, _ in everyone)
         mine = MPI.COMM_NULL
-        for each in sorted({c for c, _, _ in everyone if c != MPI.UNDEFINED}):
-            ranks = [self.ranks[r] for _, r in sorted((k, r) for c, k, r in everyone if c == each)]
+        for part, each in sorted({(p, c) for p, c, _, _, _ in everyone if c != MPI.UNDEFINED}):
+            ranks = [job_rank for _, _, job_rank in sorted((k, r, j) for p, c, k, r, j in everyone
+                                                           if (p, c) == (part, each))]
             if ranks != sorted(ranks):
                 raise ConfigError(f"a split over torch.distributed must keep the ranks' order, got {ranks}")
             group = dist.new_group(ranks)
-            if each == color:
-                mine = TorchComm(group, ranks)
+            if (part, each) == (self.ranks[0], color):
+                mine = TorchComm(group, ranks, self.job if partition else None)
         return mine
 
     def Split_type(self, split_type: int, key: int = 0) -> Any:  # noqa: N802
-        """The ranks of my node: torchrun's ``GROUP_RANK`` where set, else my host's name."""
+        """The ranks of my node (``node_name``)."""
         assert split_type == MPI.COMM_TYPE_SHARED
-        mine = os.environ.get("GROUP_RANK") or processor_name()
+        mine = node_name()
         names = sorted(set(self.allgather(mine)))
         return self.Split(names.index(mine), key)
 
