@@ -40,14 +40,13 @@ from mpi4py import MPI
 from .. import kernels, waiting
 from ..collectives import AUTO, Allreducer
 from ..consensus import raise_if_any, require_same
-from ..costmodel import auto
 from ..errors import ConfigError
 from ..topology import Topology
 from . import buckets
 from .backward_end import EndOfBackward
 from .buckets import DTYPES, bucket_entries, require_same_buckets, signature
 from .comm_thread import CommThread
-from .engine import Engine, InOrder, Reduction, reduction_of
+from .engine import Engine, EngineOwner, InOrder, Reduction, reduction_of
 from .state import STATE_FORMAT, choice_problem, optimizer_residuals, rank_key, stateful_problem
 from .streams import NoStreams, as_array, as_tensor, streams_for
 from .world import job_comm, require_job_world
@@ -154,7 +153,7 @@ class _ParameterBucket:
         return False if not finite else (True if checked else None)
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(EngineOwner):
     """Mixed into the wrapped optimizer's own class (see ``DistributedOptimizer``)."""
 
     def _spar_setup(self, named: List[Tuple[str, torch.nn.Parameter]], reduction: Reduction,
@@ -191,23 +190,8 @@ class _DistributedOptimizer:
         ]
 
     @property
-    def density(self) -> float:
-        """The sparse buckets' density from the next step on: settable between
-        steps, up to ``max_density``, as a schedule sets a learning rate."""
-        return self._engine.density
-
-    @density.setter
-    def density(self, value: float) -> None:
-        self._engine.density = value
-
-    @property
     def grad_scaler(self) -> Any:
         return self._engine.grad_scaler
-
-    @property
-    def pricing(self) -> Optional[auto.Pricing]:
-        """What ``algorithm="auto"`` priced, once for every bucket (None otherwise)."""
-        return self._engine.pricing
 
     # -- backward ------------------------------------------------------------------------
     def _hook(self, bucket: _ParameterBucket, i: int):
