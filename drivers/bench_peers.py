@@ -102,6 +102,7 @@ from spar_comm.torch.process_group import init_methods, on_one_host  # noqa: E40
 from spar_comm.torch.transport import TorchComm  # noqa: E402
 from spar_comm.torch.world import launched  # noqa: E402
 from spar_comm.workloads import gpt as gpt_workload, resnet  # noqa: E402
+from spar_comm.workloads.command_line import add_gpt_arguments, add_resnet_arguments, gpt_config  # noqa: E402
 from spar_comm.workloads.mlp import mlp  # noqa: E402
 
 #: How long a peer's process may take to start (gloo's rendezvous, DDP's first broadcast).
@@ -158,9 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mlp.add_argument("--hidden", type=positive_int, default=2048, help="(default: %(default)s)")
     mlp.add_argument("--layers", type=positive_int, default=4, help="hidden-to-hidden layers (default: %(default)s)")
     gpt = models.add_parser("gpt", parents=[common], help="drivers/train_gpt.py's GPT on its text")
-    gpt_workload.add_model_arguments(gpt)
+    add_gpt_arguments(gpt)
     cnn = models.add_parser("cnn", parents=[common], help="drivers/train_cnn.py's ResNet on its digits")
-    resnet.add_model_arguments(cnn)
+    add_resnet_arguments(cnn)
     args = parser.parse_args(argv)
     torchrun = under_torchrun()
     args.modes = args.modes or list(UNDER_TORCHRUN if torchrun else MODES)
@@ -169,7 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--modes {','.join(outside)}: under torchrun only {', '.join(UNDER_TORCHRUN)} run (the "
                      "others need an MPI launch: mpiexec -n N python drivers/bench_peers.py ...)")
     if args.model == "gpt":
-        gpt_workload.settle_model_arguments(gpt, args)
+        gpt_config(gpt, args)
     if args.model == "mlp" and args.eval_every:
         parser.error("--eval-every: the mlp trains on random data and has nothing held out")
     if args.targets and not args.eval_every:
@@ -187,7 +188,7 @@ def workload(args: argparse.Namespace, rank: int) -> Workload:
     if args.model == "gpt":
         text, validation = gpt_workload.stdlib_text()
         batches = gpt_workload.validation_batches(validation, GPT_EVAL_BATCHES, GPT_EVAL_SEQUENCES, args.context)
-        return Workload(lambda: gpt_workload.build_model(args),
+        return Workload(lambda: gpt_workload.gpt(gpt_workload.GPTConfig(args.layers, args.width, args.heads, args.context), args.seed),
                         lambda: gpt_workload.random_batch(text, args.batch_size, args.context, generator),
                         lambda model, batch: model(*batch),
                         lambda params: torch.optim.AdamW(params, lr=args.lr or 1e-3, weight_decay=0.01),
@@ -200,7 +201,7 @@ def workload(args: argparse.Namespace, rank: int) -> Workload:
             picked = torch.randint(len(y), (args.batch_size,), generator=generator)
             return x[picked], y[picked]
 
-        return Workload(lambda: resnet.build_model(args), batch, classify,
+        return Workload(lambda: resnet.resnet(args.width, seed=args.seed), batch, classify,
                         lambda params: torch.optim.SGD(params, lr=args.lr or 0.05, momentum=0.9, weight_decay=5e-4),
                         held_out(lambda m: (m(test_x).argmax(1) == test_y).float().mean().item()),
                         "held-out accuracy")
