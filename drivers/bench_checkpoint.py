@@ -12,41 +12,22 @@ over the repeats. A thread samples the rank's resident memory every
 millisecond during a save; the growth is its peak over the resident memory
 just before, and ``state`` is what the rank holds of the run (parameters,
 velocity, residual and aids' velocity), so ``growth / state`` says whether
-a save costs a rank its own state or the world's.
-
-It also measures versions of spar_comm from before ``save_checkpoint(path,
-state)``, whose twelve-argument form it then calls, so that a change can be
-measured before and after on one machine.
+a save costs a rank its own state or the world's
+(``spar_comm.bench.checkpoint_cost``).
 """
 from __future__ import annotations
 
 import argparse
-import inspect
-import os
-import shutil
-import tempfile
-import threading
-import time
-from typing import Any, Dict, List
 
-import numpy as np
-
+from spar_comm.bench.checkpoint_cost import measure
 from spar_comm.bench.record import hosts_of, meta, write_record
-from spar_comm.bench.timing import slowest
 from spar_comm.cli import positive_int
 from spar_comm.consensus import raise_if_any
 from spar_comm.files import unwritable
 from spar_comm.launch import run_main
 from spar_comm.topology import Topology
 from spar_comm.training import checkpoint
-from spar_comm.training.aids import ScheduledAllreduce
-from spar_comm.training.config import TrainConfig
-from spar_comm.training.data import Shards
-from spar_comm.training.density import make_schedule
 from spar_comm.training.distributed import Group
-from spar_comm.training.layout import ParamLayout
-
-FIGURES = ("save_s", "load_s", "growth_kib")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,106 +44,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class PeakRSS:
-    """The peak resident memory of this process while the block runs, sampled
-    every millisecond, in KiB above what it was at the start."""
-
-    def __enter__(self) -> "PeakRSS":
-        self.start = self.peak = _rss_kib()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.001):
-            self.peak = max(self.peak, _rss_kib())
-
-    def __exit__(self, *exc: Any) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_kib())
-        self.growth = self.peak - self.start
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def build_state(group: Group, size: int, algorithm: str) -> Dict[str, Any]:
-    """A run's state on this rank: arrays of the given size, a residual from one real call."""
-    layout = ParamLayout([("w", (size,))])
-    config = TrainConfig(algorithm=algorithm, density=0.001, selector="exact", trace="")
-    rng = np.random.default_rng(group.rank)
-    schedule = make_schedule("fixed", 0.001, 100)
-    allreduce = ScheduledAllreduce(group, algorithm, size, "float32", "exact", schedule)
-    allreduce.reduce(0, rng.standard_normal(size).astype(np.float32), np)
-    params, velocity, local = (rng.standard_normal(size).astype(np.float32) for _ in range(3))
-    return dict(group=group, config=config, layout=layout, params=params, velocity=velocity, allreduce=allreduce,
-                shards=Shards(100 * group.size, group.rank, group.size, 1, 0), schedule=schedule,
-                local_velocity=local, step=5)
-
-
-def save(path: str, parts: Dict[str, Any]) -> None:
-    """This version's save: ``save_checkpoint(path, state)``, or the older twelve-argument form."""
-    if hasattr(checkpoint, "TrainState"):
-        checkpoint.save_checkpoint(path, checkpoint.TrainState(**parts))
-    else:
-        checkpoint.save_checkpoint(path, parts["group"], parts["config"], parts["step"], parts["layout"],
-                                   parts["params"], parts["velocity"], parts["allreduce"], parts["shards"],
-                                   local_velocity=parts["local_velocity"], schedule=parts["schedule"])
-
-
-def load(path: str, parts: Dict[str, Any]) -> None:
-    saved = checkpoint.read_saved(path, parts["group"], parts["layout"])
-    if "state" in inspect.signature(checkpoint.load_checkpoint).parameters:
-        checkpoint.load_checkpoint(saved, path, checkpoint.TrainState(**parts))
-    else:
-        checkpoint.load_checkpoint(saved, path, parts["group"], parts["config"], parts["params"], parts["velocity"],
-                                   parts["allreduce"], np, local_velocity=parts["local_velocity"],
-                                   schedule=parts["schedule"])
-
-
 def main() -> int:
     args = parse_args()
     topology = Topology(ranks_per_node=args.ranks_per_node)
     group = Group(topology)
     world = topology.world
     raise_if_any(world, unwritable(args.out) if world.rank == 0 and args.out else None)
-    parts = build_state(group, args.parameters, args.algorithm)
-    state_kib = (sum(parts[name].nbytes for name in ("params", "velocity", "local_velocity"))
-                 + parts["allreduce"].residual()[1].nbytes) // 1024
-    folder = args.folder or (tempfile.mkdtemp(prefix="bench_checkpoint-") if world.rank == 0 else None)
-    folder = world.bcast(folder, root=0)
-    rows = np.zeros((args.repeat, len(FIGURES)))
-    try:
-        for i in range(args.repeat):
-            path = os.path.join(folder, f"ck{i}.h5")
-            world.Barrier()
-            began = time.perf_counter()
-            with PeakRSS() as memory:
-                save(path, parts)
-            saved = time.perf_counter()
-            world.Barrier()
-            load_began = time.perf_counter()
-            load(path, parts)
-            rows[i] = (saved - began, time.perf_counter() - load_began, memory.growth)
-    finally:
-        world.Barrier()
-        if world.rank == 0 and args.folder is None:
-            shutil.rmtree(folder, ignore_errors=True)
-    worst = slowest(world, rows)
-    growths = world.gather(rows[:, 2].max(), root=0)
+    result = measure(group, args.parameters, args.algorithm, args.repeat, args.folder)
     hosts = hosts_of(world)
     if world.rank == 0:
-        medians = dict(zip(FIGURES, np.median(worst, axis=0).tolist()))
-        result = {**medians, "state_kib": state_kib, "growth_per_rank_kib": growths,
-                  "growth_over_state": max(growths) / state_kib}
+        growth = max(result["growth_per_rank_kib"])
         print(f"{topology.describe().split(';')[0]}, {args.parameters:,} parameters, "
-              f"{args.algorithm}: save {medians['save_s']:.3f} s, load {medians['load_s']:.3f} s (slowest rank, "
-              f"median of {args.repeat}); a rank's RSS grew by at most {max(growths) / 1024:.1f} MiB while saving, "
-              f"{result['growth_over_state']:.2f}x its state of {state_kib / 1024:.1f} MiB", flush=True)
+              f"{args.algorithm}: save {result['save_s']:.3f} s, load {result['load_s']:.3f} s (slowest rank, "
+              f"median of {args.repeat}); a rank's RSS grew by at most {growth / 1024:.1f} MiB while saving, "
+              f"{result['growth_over_state']:.2f}x its state of {result['state_kib'] / 1024:.1f} MiB", flush=True)
         if args.out:
             write_record(args.out, meta("bench_checkpoint", hosts, world_size=world.size,
                                         node_sizes=topology.node_sizes, parameters=args.parameters,
