@@ -33,7 +33,6 @@ after the same epochs, and the bytes sent between nodes, from the traces.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from spar_comm import ALGORITHMS, emucluster
 from spar_comm.bench.cluster import NODE_SWEEP, read_sweep, report
 from spar_comm.bench.cluster_runs import ClusterSweep, bench_sweep, time_to_accuracy_sweep
 from spar_comm.bench.record import meta
-from spar_comm.cli import comma_list, positive_int
+from spar_comm.cli import comma_list, positive_int, settings_from
 from spar_comm.files import BadFileError, unwritable, write_json
 
 #: This folder: bench_comm.py and train.py, which the runs start across the hosts.
@@ -127,7 +126,7 @@ def main() -> int:
         return 2
     fields = {**vars(args), "layouts": [f"{h}x{r}" for h, r in args.layouts]}
     document = {"meta": meta("bench_cluster", **fields), "records": [], "training": [], "time_to_accuracy": []}
-    sweep = ClusterSweep(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ClusterSweep)})
+    sweep = settings_from(args, ClusterSweep)
 
     def progress(line: str) -> None:
         print(line, flush=True)

@@ -44,13 +44,12 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank (powersgd's products), as train.py
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 
 import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology  # noqa: E402
 from spar_comm.bench import record  # noqa: E402
 from spar_comm.bench.comm import CommSettings, LinkCounter, heading, lines, measure_sizes  # noqa: E402
-from spar_comm.cli import comma_list, density  # noqa: E402
+from spar_comm.cli import comma_list, density, settings_from  # noqa: E402
 from spar_comm.collectives.checks import DTYPES  # noqa: E402
 from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
@@ -145,7 +144,7 @@ def main() -> int:
         "in_place": args.in_place,
         "device": topology.memory.describe(),
     })
-    settings = CommSettings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(CommSettings)})
+    settings = settings_from(args, CommSettings)
     if lead:
         print(heading(topology, settings), flush=True)
     results = []

@@ -71,7 +71,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores already
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
@@ -90,7 +89,7 @@ from spar_comm.bench.peer_runners import start_torch, under_torchrun  # noqa: E4
 from spar_comm.bench.peer_workloads import cnn_workload, gpt_workload, mlp_workload  # noqa: E402
 from spar_comm.bench.peers import MODES, PEERS, UNDER_TORCHRUN, PeerSettings, Workload  # noqa: E402
 from spar_comm.bench.record import meta  # noqa: E402
-from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
+from spar_comm.cli import comma_list, density, positive_float, positive_int, settings_from  # noqa: E402
 from spar_comm.consensus import raise_if_any  # noqa: E402
 from spar_comm.files import unwritable, write_json  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
@@ -193,7 +192,7 @@ def main() -> None:
     if args.malloc == "retain":  # before any peer is forked: they inherit it
         retain_freed_memory()
     topology = Topology(comm=world, ranks_per_node=args.ranks_per_node)
-    settings = PeerSettings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(PeerSettings)})
+    settings = settings_from(args, PeerSettings)
     work = workload(args.batch_size, args.lr, args.seed, world.rank)
     results, parameters = measure(settings, topology, work, lambda line: print(line, flush=True))
     if world.rank == 0:
