@@ -38,6 +38,21 @@ def worst(snapshots: Dict[str, List[dict]], phase: str) -> Dict[str, float]:
     return {name: max(g[name] for g in per_rank) for name in FIGURES}
 
 
+def growth_table(snapshots: Dict[str, List[dict]], verdicts: Dict[str, Dict[str, float]]) -> str:
+    """A line a phase of ``verdicts`` (``worst``'s growths): each figure on the
+    rank that grew most, its value at the start and in that phase."""
+    ranks = range(len(snapshots["start"]))
+    lines = [f"{'phase':<8} " + " ".join(f"{name:>14}" for name in FIGURES)
+             + "   (worst rank: value at start -> now, growth)"]
+    for phase, figures in verdicts.items():
+        cells = []
+        for name in FIGURES:
+            rank = max(ranks, key=lambda r: growth(snapshots["start"][r], snapshots[phase][r])[name])
+            cells.append(f"{snapshots['start'][rank][name]}->{snapshots[phase][rank][name]} {figures[name]:+.1%}")
+        lines.append(f"{phase:<8} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
 class PeakRSS:
     """The peak resident memory of this process while the block runs, sampled
     every millisecond, in KiB above what it was at the start (``growth``)."""
