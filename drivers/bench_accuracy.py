@@ -74,7 +74,7 @@ def main() -> int:
     base = base_config(args.workload, args.algorithm)
     document = {"meta": meta("bench_accuracy", hosts_of(comm), **vars(args), world_size=comm.size,
                              config=dataclasses.asdict(base)), "runs": []}
-    plan = cells(args)
+    plan = cells(args.densities, args.algorithm, args.aids, args.dense_values, args.seeds)
     for number, cell in enumerate(plan, 1):
         if lead:
             print(f"# {number}/{len(plan)}: {cell['cell']}, seed {cell['seed']}", flush=True)
