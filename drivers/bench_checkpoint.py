@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 
 from spar_comm.bench.checkpoint_cost import measure
-from spar_comm.bench.record import hosts_of, meta, write_record
+from spar_comm.bench.record import hosts_of, meta, refuse_unwritable, write_record
 from spar_comm.cli import positive_int
-from spar_comm.consensus import raise_if_any
-from spar_comm.files import unwritable
 from spar_comm.launch import run_main
 from spar_comm.topology import Topology
 from spar_comm.training import checkpoint
@@ -49,7 +47,7 @@ def main() -> int:
     topology = Topology(ranks_per_node=args.ranks_per_node)
     group = Group(topology)
     world = topology.world
-    raise_if_any(world, unwritable(args.out) if world.rank == 0 and args.out else None)
+    refuse_unwritable(world, args.out)
     result = measure(group, args.parameters, args.algorithm, args.repeat, args.folder)
     hosts = hosts_of(world)
     if world.rank == 0:

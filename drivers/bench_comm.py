@@ -52,8 +52,6 @@ from spar_comm.bench.comm import CommSettings, LinkCounter, heading, lines, meas
 from spar_comm.cli import comma_list, density, settings_from  # noqa: E402
 from spar_comm.collectives.checks import DTYPES  # noqa: E402
 from spar_comm.collectives.codecs import INDICES, VALUES  # noqa: E402
-from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import unwritable  # noqa: E402
 from spar_comm.kernels import SELECTORS  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 from spar_comm.memory import DEVICES  # noqa: E402
@@ -120,8 +118,7 @@ def main() -> int:
     topology = Topology(ranks_per_node=args.ranks_per_node, device=args.device)
     world = topology.world
     lead = world.rank == 0
-    # Only rank 0 writes, so only its view of the file system counts; all ranks agree.
-    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
+    record.refuse_unwritable(world, args.out)
     links = LinkCounter(world, args.link_counters) if args.link_counters else None
     meta = record.meta("bench_comm", topology.hosts, **{
         "spar_comm_version": spar_comm.__version__,

@@ -30,8 +30,6 @@ from spar_comm import ALGORITHMS, Topology  # noqa: E402
 from spar_comm.bench import record  # noqa: E402
 from spar_comm.bench.jax_overhead import measure  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_int  # noqa: E402
-from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import unwritable  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 
 
@@ -56,7 +54,7 @@ def main() -> None:
     topology = Topology(ranks_per_node=args.ranks_per_node)
     world = topology.world
     lead = world.rank == 0
-    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
+    record.refuse_unwritable(world, args.out)
     rows = []
     if lead:
         print(f"# {topology.describe()}; density {args.density}; median of {args.repeat} after {args.warmup}, slowest rank")

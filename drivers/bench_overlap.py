@@ -28,10 +28,9 @@ from mpi4py import MPI  # noqa: E402
 import spar_comm  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, retain_freed_memory  # noqa: E402
 from spar_comm.bench.overlap import OverlapSettings, measure  # noqa: E402
-from spar_comm.bench.record import meta  # noqa: E402
+from spar_comm.bench.record import meta, refuse_unwritable  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_float, positive_int, settings_from  # noqa: E402
-from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import unwritable, write_json  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 
 
@@ -58,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     world = MPI.COMM_WORLD
-    raise_if_any(world, unwritable(args.out) if args.out and world.rank == 0 else None)
+    refuse_unwritable(world, args.out)
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     topology = Topology(ranks_per_node=args.ranks_per_node)

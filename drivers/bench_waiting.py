@@ -33,7 +33,6 @@ from spar_comm.bench import record
 from spar_comm.bench.late_rank import COLLECTIVES, measure
 from spar_comm.cli import positive_float, positive_int
 from spar_comm.consensus import raise_if_any
-from spar_comm.files import unwritable
 from spar_comm.launch import run_main
 from spar_comm.mpi_strings import library_name
 
@@ -68,7 +67,7 @@ def main() -> int:
     args = parse_args()
     comm = MPI.COMM_WORLD
     lead = comm.rank == 0
-    raise_if_any(comm, unwritable(args.out) if lead and args.out else None)
+    record.refuse_unwritable(comm, args.out)
     raise_if_any(comm, None if comm.size > 1 else "needs at least 2 ranks: one late, one waiting")
     results = measure(comm, args.collective, args.late_ms / 1e3, args.warmup, args.repeat,
                       lambda line: print(line, file=sys.stderr, flush=True))

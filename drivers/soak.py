@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 
 from spar_comm import ALGORITHMS, Topology
-from spar_comm.bench.record import meta
+from spar_comm.bench.record import meta, refuse_unwritable
 from spar_comm.bench.resources import growth_table, worst
 from spar_comm.bench.soak import soak
 from spar_comm.cli import comma_list, density, positive_float, positive_int
-from spar_comm.consensus import raise_if_any
-from spar_comm.files import unwritable, write_json
+from spar_comm.files import write_json
 from spar_comm.launch import run_main
 from spar_comm.mpi_strings import library_name
 
@@ -55,7 +54,7 @@ def main() -> int:
     topology = Topology(ranks_per_node=args.ranks_per_node)
     world = topology.world
     lead = world.rank == 0
-    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
+    refuse_unwritable(world, args.out)
     snapshots, seconds = soak(topology, args.algorithms, args.size, args.density, args.selector, args.steps,
                               args.rebuilds, lambda line: print(line, flush=True))
     verdicts = {phase: worst(snapshots, phase) for phase in ("steps", "rebuilt")}
