@@ -60,7 +60,7 @@ def options_of(algorithm: str, settings: CommSettings) -> dict:
     return {setting: getattr(settings, setting) for setting in ("values", "indices") if algorithm in CODECS[setting]}
 
 
-def gradient_arrays(reducers: list, grad, shared_buffer: bool, in_place: bool) -> list:
+def gradient_arrays(reducers: list, grad: Any, shared_buffer: bool, in_place: bool) -> list:
     """The array each reducer is given ``grad`` in: its ``.buffer`` with a shared
     buffer, else ``grad`` itself, or a copy of its own when it reduces in place."""
     sends = [reducer.buffer if shared_buffer else grad.copy() if in_place else grad for reducer in reducers]
@@ -69,7 +69,7 @@ def gradient_arrays(reducers: list, grad, shared_buffer: bool, in_place: bool) -
     return sends
 
 
-def measure(reducers: list, sends: list, grad, warmup: int, repeat: int, deadlines: list,
+def measure(reducers: list, sends: list, grad: Any, warmup: int, repeat: int, deadlines: list,
             in_place: bool = False) -> tuple:
     """For each reducer and each of ``deadlines`` (the waits' deadlines on or
     off): the median of the slowest rank's time per call, of the

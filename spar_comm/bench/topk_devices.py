@@ -36,18 +36,23 @@ class CpuBench:
         self.methods = sorted(SELECTORS)
 
     def put(self, x: np.ndarray) -> Any:
+        """``x`` where the selectors read it."""
         return x
 
     def to_host(self, x: Any) -> np.ndarray:
+        """A selection's positions as a NumPy array, to check against the exact set."""
         return x
 
     def make(self, method: str) -> Callable:
+        """A selector of ``method``, called as ``selector(x, k)``."""
         return make_selector(method)
 
     def floor(self, x: Any) -> Callable[[], object]:
+        """One read of ``x``: the unit a selection's time is counted in."""
         return lambda: x.max()  # one read of x (np.abs(x).max() also writes and reads a temporary)
 
     def baselines(self, x: Any, k: int) -> Dict[str, Callable[[], object]]:
+        """The public top-k functions on ``x``, by name."""
         runs: Dict[str, Callable[[], object]] = {"argpartition": lambda: np.argpartition(np.abs(x), x.size - k)}
         if self.torch is not None:
             t = self.torch.from_numpy(x)
@@ -55,6 +60,7 @@ class CpuBench:
         return runs
 
     def time(self, run: Callable[[], object], repeat: int) -> Tuple[float, float]:
+        """(median, min) seconds of ``repeat`` runs after one warm-up."""
         return wall_median(run, repeat)
 
     def libraries(self) -> Dict[str, str]:
@@ -62,6 +68,7 @@ class CpuBench:
         return {}
 
     def describe(self) -> Dict[str, object]:
+        """What the JSON's machine record adds about the device."""
         return {"device": "cpu"}
 
 

@@ -33,6 +33,7 @@ class Scenario:
     indices: Optional[str]
 
     def cluster(self) -> Cluster:
+        """The cluster as the cost model prices it."""
         return Cluster(self.nodes, self.ranks_per_node, self.cores)
 
 
@@ -86,6 +87,7 @@ def run_sweep(scenario: Scenario, machine: Machine, sweep: str) -> dict:
 
 
 def show_value(sweep: str, value: float) -> str:
+    """A grid point as the tables write it: a density to 3 digits, a size or node count whole."""
     return f"{value:.3g}" if sweep == "density" else f"{int(value):,}"
 
 

@@ -54,6 +54,7 @@ def windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> tuple:
 
 
 def random_batch(text: torch.Tensor, batch_size: int, context: int, generator: torch.Generator) -> tuple:
+    """``batch_size`` windows of ``text`` at starts drawn from ``generator``."""
     return windows(text, torch.randint(len(text) - context - 1, (batch_size,), generator=generator), context)
 
 
