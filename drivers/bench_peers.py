@@ -168,7 +168,6 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, Callable[..., Workload]]:
     return args, workload
 
 
-
 def output_problem(args: argparse.Namespace) -> Optional[str]:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path and unwritable(path, flag):

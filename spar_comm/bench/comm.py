@@ -177,8 +177,6 @@ def summary(slowest: np.ndarray, most: np.ndarray, read: dict) -> dict:
     }
 
 
-
-
 def measure_sizes(topology: Topology, sizes: Sequence[int], settings: CommSettings, seed: int,
                   links: Optional[LinkCounter] = None) -> Iterator[List[dict]]:
     """Each size's rows in turn, one per allreducer and deadline, as soon as

@@ -85,4 +85,3 @@ def plot(results: List[dict], title: str, path: str, targets: Sequence[float]) -
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

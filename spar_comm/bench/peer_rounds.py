@@ -176,4 +176,3 @@ def measure(settings: PeerSettings, topology: Topology, work: Workload,
                 reached["ratio_to_ddp"] = reached["seconds"] / ddps["seconds"] if ddps["seconds"] else None
     parameters = sum(p.numel() for p in work.new_model().parameters())
     return [results[mode] for mode in settings.modes], parameters
-

@@ -184,4 +184,3 @@ class GpuBench(SimulatedGpuBench):
 
 #: Each --device's bench.
 BENCHES = {"cpu": CpuBench, "gpu": GpuBench, "gpu-simulator": SimulatedGpuBench}
-
