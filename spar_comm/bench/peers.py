@@ -1,7 +1,8 @@
-"""The modes drivers/bench_peers.py runs against each other, and the parts of
-a mode that do not depend on the run: what a step times, what the
-communication's phases are, and a mode's time to a held-out target.
-torch is imported only by the functions that use it."""
+"""The modes drivers/bench_peers.py runs against each other, the settings
+of a run, and the parts of a mode that do not depend on the run: what a
+step times, what the communication's phases are, how a failure is told, and
+a mode's time to a held-out target. torch is imported only by the functions
+that use it."""
 from __future__ import annotations
 
 import time
