@@ -33,11 +33,10 @@ from mpi4py import MPI  # noqa: E402
 
 from spar_comm import ALGORITHMS  # noqa: E402
 from spar_comm.bench.accuracy import DENSE, aid_set, base_config, cells, run_cell, table  # noqa: E402
-from spar_comm.bench.record import hosts_of, meta  # noqa: E402
+from spar_comm.bench.record import hosts_of, meta, refuse_unwritable  # noqa: E402
 from spar_comm.cli import comma_list  # noqa: E402
 from spar_comm.collectives.codecs import VALUES  # noqa: E402
-from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import unwritable, write_json  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 
 
@@ -70,11 +69,11 @@ def main() -> int:
     args = parse_args()
     comm = MPI.COMM_WORLD
     lead = comm.rank == 0
-    raise_if_any(comm, unwritable(args.out) if lead and args.out else None)
+    refuse_unwritable(comm, args.out)
     base = base_config(args.workload, args.algorithm)
     document = {"meta": meta("bench_accuracy", hosts_of(comm), **vars(args), world_size=comm.size,
                              config=dataclasses.asdict(base)), "runs": []}
-    plan = cells(args)
+    plan = cells(args.densities, args.algorithm, args.aids, args.dense_values, args.seeds)
     for number, cell in enumerate(plan, 1):
         if lead:
             print(f"# {number}/{len(plan)}: {cell['cell']}, seed {cell['seed']}", flush=True)

@@ -33,22 +33,18 @@ after the same epochs, and the bytes sent between nodes, from the traces.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
 
 from spar_comm import ALGORITHMS, emucluster
-from spar_comm.bench.cluster import DENSE, NODE_SWEEP, read_sweep, report, trace_figures
+from spar_comm.bench.cluster import NODE_SWEEP, read_sweep, report
+from spar_comm.bench.cluster_runs import ClusterSweep, bench_sweep, time_to_accuracy_sweep
 from spar_comm.bench.record import meta
-from spar_comm.cli import comma_list, positive_int
+from spar_comm.cli import comma_list, positive_int, settings_from
 from spar_comm.files import BadFileError, unwritable, write_json
-from spar_comm.training.trace import read_trace
 
-HERE = Path(__file__).resolve().parent
+#: This folder: bench_comm.py and train.py, which the runs start across the hosts.
+DRIVERS = Path(__file__).resolve().parent
 #: The communication-bound workload: the digits MLP with two hidden layers of
 #: 1024 (1,126,410 parameters), 10 epochs, density 0.001 for the sparse ones.
 WORKLOAD = "--hidden 1024 --epochs 10 --density 0.001"
@@ -115,64 +111,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_bench_comm(spec, args, density: float, algorithms: list, repeat: int) -> dict:
-    """bench_comm.py across the emulated hosts; returns its JSON document."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "bench.json")
-        command = [sys.executable, str(HERE / "bench_comm.py"), "--sizes", ",".join(map(str, args.sizes)),
-                   "--density", str(density), "--algorithms", ",".join(algorithms),
-                   "--repeat", str(repeat), "--warmup", str(args.warmup), "--out", out,
-                   "--link-counters", emucluster.IFACE]
-        if args.selector:
-            command += ["--selector", args.selector]
-        result = emucluster.run(spec, command, timeout=args.limit)
-        if result.returncode != 0:
-            raise RuntimeError(f"bench_comm failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-        return json.loads(Path(out).read_text())
-
-
-def time_to_accuracy(spec, algorithm: str, target: float, limit: float, workload: Sequence[str] = (),
-                     keep: Optional[str] = None) -> dict:
-    """A training run (train.py's defaults, or ``workload``'s flags) across the
-    emulated hosts: wall seconds and epochs until the held-out accuracy first
-    reaches ``target``, the final accuracy and the bytes sent between nodes,
-    from the run's trace (kept at ``keep`` when given)."""
-    with tempfile.TemporaryDirectory() as folder:
-        trace_path = keep or os.path.join(folder, "train.h5")
-        command = [sys.executable, str(HERE / "train.py"), *workload, "--algorithm", algorithm, "--ranks-per-node", "0",
-                   "--trace", trace_path, "--no-progress"]
-        result = emucluster.run(spec, command, timeout=limit)
-        if result.returncode != 0:
-            raise RuntimeError(f"train.py failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-        return {"algorithm": algorithm, **trace_figures(read_trace(trace_path).data, target),
-                "summary": result.stdout.strip().splitlines()[-1]}
-
-
-def time_to_accuracy_sweep(args: argparse.Namespace, document: dict) -> None:
-    """--time-to-accuracy: the workload with every algorithm, layout and rate;
-    the document is written after every run."""
-    workload = args.workload.split()
-    if args.traces:
-        os.makedirs(args.traces, exist_ok=True)
-    for hosts, ranks in args.layouts:
-        emucluster.down(args.prefix)
-        spec = emucluster.up(emucluster.ClusterSpec(hosts, ranks, args.tta_rates[0], "0us", args.prefix))
-        try:
-            for rate in args.tta_rates:
-                spec = emucluster.reshape(spec, rate, "0us")
-                for repeat, algorithm in itertools.product(range(args.tta_repeat), args.tta_algorithms):
-                    print(f"# time to accuracy: {algorithm} on {hosts}x{ranks} at {rate}, run {repeat + 1}", flush=True)
-                    name = f"{algorithm}-{hosts}x{ranks}-{rate}-{repeat}.h5"
-                    keep = os.path.join(args.traces, name) if args.traces else None
-                    run = time_to_accuracy(spec, algorithm, args.target, args.limit, workload, keep)
-                    document["time_to_accuracy"].append({"layout": f"{hosts}x{ranks}", "rate": rate, "repeat": repeat,
-                                                         "workload": args.workload, "trace": keep, **run})
-                    if args.out:
-                        write_json(args.out, document)
-        finally:
-            emucluster.down(args.prefix)
-
-
 def main() -> int:
     args = parse_args()
     if args.report:
@@ -187,53 +125,24 @@ def main() -> int:
         print(f"bench_cluster.py: error: {reason}", file=sys.stderr)
         return 2
     fields = {**vars(args), "layouts": [f"{h}x{r}" for h, r in args.layouts]}
-    records, document = [], {"meta": meta("bench_cluster", **fields), "records": [], "training": [],
-                             "time_to_accuracy": []}
+    document = {"meta": meta("bench_cluster", **fields), "records": [], "training": [], "time_to_accuracy": []}
+    sweep = settings_from(args, ClusterSweep)
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    def save() -> None:
+        if args.out:
+            write_json(args.out, document)
+
     if args.time_to_accuracy:
-        time_to_accuracy_sweep(args, document)
+        time_to_accuracy_sweep(DRIVERS, sweep, document, progress, save)
         report(document)
         return 0
-    dense = [a for a in args.algorithms if a in DENSE]
-    sparse = [a for a in args.algorithms if a not in DENSE]
-    runs = [(args.densities[0], dense, args.dense_repeat)] if dense else []  # the density does not matter
-    runs += [(density, sparse, args.repeat) for density in args.densities] if sparse else []
-    for number, (hosts, ranks) in enumerate(args.layouts):
-        emucluster.down(args.prefix)
-        spec = emucluster.up(emucluster.ClusterSpec(hosts, ranks, args.rates[0], "0us", args.prefix))
-        try:
-            for rate in [] if args.skip_bench else args.rates:
-                spec = emucluster.reshape(spec, rate, "0us")
-                for density, algorithms, repeat in runs:
-                    print(f"# {hosts}x{ranks} at {rate}, density {density}: {', '.join(algorithms)}", flush=True)
-                    result = run_bench_comm(spec, args, density, algorithms, repeat)
-                    for row in result["results"]:
-                        records.append({"layout": f"{hosts}x{ranks}", "hosts": hosts, "ranks_per_host": ranks,
-                                        "cores": len(os.sched_getaffinity(0)),
-                                        "rate": rate, "rate_bps": _finite(emucluster.rate_bits_per_second(rate)),
-                                        "density": density, "selector": result["meta"]["selector"], **row})
-                    document["records"] = records
-                    document["bench_comm_meta"] = result["meta"]
-                    if args.out:
-                        write_json(args.out, document)
-            if number == 0 and args.train:
-                spec = emucluster.reshape(spec, args.train_rate, "0us")
-                for algorithm in args.train:
-                    print(f"# training with {algorithm} on {hosts}x{ranks} at {args.train_rate}", flush=True)
-                    run = time_to_accuracy(spec, algorithm, args.target, args.limit)
-                    document["training"].append({"layout": f"{hosts}x{ranks}", "rate": args.train_rate, **run})
-                    if args.out:
-                        write_json(args.out, document)
-        finally:
-            emucluster.down(args.prefix)
+    bench_sweep(DRIVERS, sweep, document, progress, save)
     report(document, args.plot)
-    if args.out:
-        write_json(args.out, document)
+    save()
     return 0
-
-
-def _finite(value: float) -> Optional[float]:
-    """JSON has no infinity: an unshaped link's rate is written as null."""
-    return value if value < float("inf") else None
 
 
 if __name__ == "__main__":

@@ -24,18 +24,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")  # the 
 import argparse  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
-from spar_comm import ALGORITHMS, Topology, make_allreducer  # noqa: E402
+from spar_comm import ALGORITHMS, Topology  # noqa: E402
 from spar_comm.bench import record  # noqa: E402
-from spar_comm.bench.timing import slowest_median  # noqa: E402
+from spar_comm.bench.jax_overhead import measure  # noqa: E402
 from spar_comm.cli import comma_list, density, positive_int  # noqa: E402
-from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.files import unwritable  # noqa: E402
-from spar_comm.jax import sparse_allreduce  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
 
 
@@ -55,43 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def measure(algorithm: str, size: int, density: float, topology: Topology, warmup: int, repeat: int) -> dict:
-    """Median of the slowest rank's time per call: the jitted update and the allreducer alone, alternating."""
-    world = topology.world
-    grad = np.random.default_rng([size, world.rank]).standard_normal(size).astype(np.float32)
-    tx = sparse_allreduce(algorithm, density, topology=topology)
-    state = tx.init({"g": jnp.zeros(size, jnp.float32)})
-    update = jax.jit(tx.update)
-    tree = {"g": jnp.asarray(grad)}
-    reducer = make_allreducer(algorithm, topology, size, "float32", density)
-    out = np.empty_like(grad)
-
-    def via_jax():
-        nonlocal state
-        mean, state = update(tree, state)
-        jax.block_until_ready(mean)
-
-    calls = (via_jax, lambda: reducer.allreduce(grad, out=out))
-    times = np.zeros((repeat, len(calls)))
-    for i in range(warmup + repeat):
-        for j, call in enumerate(calls):
-            world.Barrier()
-            start = MPI.Wtime()
-            call()
-            if i >= warmup:
-                times[i - warmup, j] = MPI.Wtime() - start
-    jax_s, alone_s = slowest_median(world, times, axis=0)
-    reducer.free()
-    return {"algorithm": algorithm, "size": size, "jax_update_s": float(jax_s), "allreducer_s": float(alone_s),
-            "overhead": float(jax_s / alone_s)}
-
-
 def main() -> None:
     args = parse_args()
     topology = Topology(ranks_per_node=args.ranks_per_node)
     world = topology.world
     lead = world.rank == 0
-    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
+    record.refuse_unwritable(world, args.out)
     rows = []
     if lead:
         print(f"# {topology.describe()}; density {args.density}; median of {args.repeat} after {args.warmup}, slowest rank")

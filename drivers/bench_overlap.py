@@ -21,26 +21,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks fill the cores alread
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import time  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import spar_comm  # noqa: E402
-import spar_comm.torch as sct  # noqa: E402
 from spar_comm import ALGORITHMS, Topology, retain_freed_memory  # noqa: E402
-from spar_comm.cli import comma_list, density, positive_float, positive_int  # noqa: E402
-from spar_comm.consensus import raise_if_any  # noqa: E402
-from spar_comm.bench.record import meta  # noqa: E402
-from spar_comm.bench.timing import slowest_median  # noqa: E402
-from spar_comm.files import unwritable, write_json  # noqa: E402
+from spar_comm.bench.overlap import OverlapSettings, measure  # noqa: E402
+from spar_comm.bench.record import meta, refuse_unwritable  # noqa: E402
+from spar_comm.cli import comma_list, density, positive_float, positive_int, settings_from  # noqa: E402
+from spar_comm.files import write_json  # noqa: E402
 from spar_comm.launch import run_main  # noqa: E402
-from spar_comm.workloads.mlp import mlp  # noqa: E402
-
-MODES = ("overlap", "sync")
-#: Per step: step, forward+backward, time waited in synchronize.
-FIGURES = ("step", "backward", "wait")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,54 +54,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def timed_step(model, opt, x, y) -> list:
-    """One training step: its time, forward+backward, and the wait in synchronize."""
-    start = time.perf_counter()
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    backward = time.perf_counter() - start
-    opt.step()
-    return [time.perf_counter() - start, backward, opt.last_wait]
-
-
-def measure(args: argparse.Namespace, algorithm: str, topology: Topology) -> dict:
-    runs = {}
-    for mode in MODES:
-        model = mlp(args.inputs, args.hidden, args.layers)
-        opt = sct.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), model.named_parameters(),
-                                       algorithm=algorithm, density=args.density, topology=topology,
-                                       bucket_cap_mb=args.bucket_cap_mb, overlap=mode == "overlap")
-        runs[mode] = (model, opt)
-    rng = np.random.default_rng(topology.world.rank)
-    x = torch.from_numpy(rng.standard_normal((args.batch_size, args.inputs)).astype(np.float32))
-    y = torch.from_numpy(rng.integers(0, 10, args.batch_size))
-    rows = np.zeros((len(MODES), args.repeat, len(FIGURES)))
-    for i in range(args.warmup + args.repeat):
-        for m, mode in enumerate(MODES):
-            topology.world.Barrier()
-            figures = timed_step(*runs[mode], x, y)
-            if i >= args.warmup:
-                rows[m, i - args.warmup] = figures
-    medians = {mode: dict(zip(FIGURES, figures.tolist()))
-               for mode, figures in zip(MODES, slowest_median(topology.world, rows, axis=1))}
-    comm = medians["sync"]["wait"]
-    saved = medians["sync"]["step"] - medians["overlap"]["step"]
-    model, opt = runs["overlap"]
-    return dict(
-        algorithm=algorithm, parameters=sum(p.numel() for p in model.parameters()), buckets=len(opt.buckets),
-        overlap=medians["overlap"], sync=medians["sync"], communication=comm, backward=medians["sync"]["backward"],
-        hidden=saved / comm if comm > 0 else 0.0,
-    )
-
-
 def main() -> None:
     args = parse_args()
     world = MPI.COMM_WORLD
-    raise_if_any(world, unwritable(args.out) if args.out and world.rank == 0 else None)
+    refuse_unwritable(world, args.out)
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     topology = Topology(ranks_per_node=args.ranks_per_node)
-    results = [measure(args, algorithm, topology) for algorithm in args.algorithms]
+    settings = settings_from(args, OverlapSettings)
+    results = [measure(settings, algorithm, topology) for algorithm in args.algorithms]
     if world.rank:
         return
     print(f"{world.size} ranks, {topology.describe().split(';')[0]}; ms per step, slowest rank, median of {args.repeat}")

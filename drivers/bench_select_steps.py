@@ -14,18 +14,12 @@ scale. --out writes the figures as JSON. Needs CuPy and a GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
-import numpy as np
-
-from spar_comm.bench.timing import cuda_event_ms
+from spar_comm.bench.select_steps import METHODS, kernel_times
 from spar_comm.cli import comma_list, positive_int
 from spar_comm.files import write_json
-
-METHODS = ("exact", "mstopk", "threshold", "threshold_warm")
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -54,55 +48,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as error:  # ImportError, or no device
         print(f"bench_select_steps.py: needs CuPy and a GPU ({type(error).__name__}: {error})", file=sys.stderr)
         return 2
-    from spar_comm.kernels import device_select, select_cuda
-
-    kernels = select_cuda.kernels()
-    plain_launch = kernels.launch
-    timings: List[tuple] = []
-
-    def timed_launch(name, template, blocks, threads, *launch_args):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        plain_launch(name, template, blocks, threads, *launch_args)
-        end.record()
-        timings.append((name, start, end))
-
     records = []
-    rng = np.random.default_rng(0)
-    for dtype in args.dtype:
-        for n in args.sizes:
-            x = cupy.asarray(rng.standard_normal(n, dtype=np.float32).astype(dtype))
-            read = cuda_event_ms(cupy, x.max, args.repeat)
-            for density in args.densities:
-                k = max(1, round(density * n))
-                for method in args.methods:
-                    selector = device_select.METHODS[method]()
-                    for _ in range(args.warmup):
-                        selector(x, k)
-                    whole = cuda_event_ms(cupy, lambda: selector(x, k), args.repeat)
-                    per_kernel: Dict[str, List[float]] = defaultdict(list)
-                    kernels.launch = timed_launch
-                    try:
-                        for _ in range(args.repeat):
-                            timings.clear()
-                            selector(x, k)
-                            cupy.cuda.get_current_stream().synchronize()
-                            sums: Dict[str, float] = defaultdict(float)
-                            for name, start, end in timings:
-                                sums[name] += cupy.cuda.get_elapsed_time(start, end)
-                            for name, ms in sums.items():
-                                per_kernel[name].append(ms)
-                    finally:
-                        kernels.launch = plain_launch
-                    record = {"method": method, "n": n, "k": k, "density": density, "dtype": dtype,
-                              "call_ms": statistics.median(whole), "read_ms": statistics.median(read),
-                              "launches": len(timings),
-                              "kernels_ms": {name: statistics.median(v) for name, v in per_kernel.items()}}
-                    records.append(record)
-                    print(f"\n{method} n={n} k={k} {dtype}: {record['call_ms']:.3f} ms a call "
-                          f"({record['call_ms'] / record['read_ms']:.2f} reads), {record['launches']} launches")
-                    for name, ms in sorted(record["kernels_ms"].items(), key=lambda item: -item[1]):
-                        print(f"  {name:<18} {ms:8.3f} ms")
+    for record in kernel_times(cupy, args.sizes, args.densities, args.methods, args.dtype, args.warmup, args.repeat):
+        records.append(record)
+        print(f"\n{record['method']} n={record['n']} k={record['k']} {record['dtype']}: {record['call_ms']:.3f} ms "
+              f"a call ({record['call_ms'] / record['read_ms']:.2f} reads), {record['launches']} launches")
+        for name, ms in sorted(record["kernels_ms"].items(), key=lambda item: -item[1]):
+            print(f"  {name:<18} {ms:8.3f} ms")
     if args.out:
         write_json(args.out, {"records": records})
     return 0

@@ -23,24 +23,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
-import numpy as np
 from mpi4py import MPI
 
 import spar_comm
 from spar_comm import waiting
 from spar_comm.bench import record
-from spar_comm.bench.timing import slowest
+from spar_comm.bench.late_rank import COLLECTIVES, measure
 from spar_comm.cli import positive_float, positive_int
 from spar_comm.consensus import raise_if_any
-from spar_comm.files import unwritable
 from spar_comm.launch import run_main
 from spar_comm.mpi_strings import library_name
 
-WAYS = ("sleep", "spin")
-COLLECTIVES = ("Barrier", "Allgather", "Allreduce")
 #: The latest rank 0 may arrive, in ms.
 LATEST_MS = 60_000.0
 
@@ -67,49 +62,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def call(comm: MPI.Comm, name: str, send: np.ndarray, recv: np.ndarray) -> None:
-    """One ``name`` collective of ``send`` (one element), the way ``waiting`` waits."""
-    if name == "Barrier":
-        waiting.collective(comm, name)
-    elif name == "Allgather":
-        waiting.collective(comm, name, send, recv, nbytes=send.nbytes)
-    else:
-        waiting.collective(comm, name, send, recv[:1], nbytes=send.nbytes)
-
-
-def one_round(comm: MPI.Comm, name: str, late: float, sleep: bool) -> Tuple[float, float]:
-    """Seconds of CPU this rank used in the call, and of wall time in it."""
-    send, recv = np.full(1, comm.rank, np.int32), np.zeros(comm.size, np.int32)
-    with waiting.sleeping(sleep):
-        comm.Barrier()
-        if comm.rank == 0:
-            time.sleep(late)
-        start, cpu = time.perf_counter(), time.process_time()
-        call(comm, name, send, recv)
-        return time.process_time() - cpu, time.perf_counter() - start
-
-
 def main() -> int:
     """Measure both ways round by round; rank 0 prints and writes the medians."""
     args = parse_args()
     comm = MPI.COMM_WORLD
     lead = comm.rank == 0
-    raise_if_any(comm, unwritable(args.out) if lead and args.out else None)
+    record.refuse_unwritable(comm, args.out)
     raise_if_any(comm, None if comm.size > 1 else "needs at least 2 ranks: one late, one waiting")
-    rounds = args.warmup + args.repeat
-    cpu, after = np.zeros((len(WAYS), rounds)), np.zeros((len(WAYS), rounds))
-    for i in range(rounds):
-        order = range(len(WAYS)) if i % 2 == 0 else reversed(range(len(WAYS)))
-        for w in order:
-            cpu[w, i], after[w, i] = one_round(comm, args.collective, args.late_ms / 1e3, WAYS[w] == "sleep")
-        if lead and (i + 1) % max(1, rounds // 5) == 0:
-            print(f"round {i + 1}/{rounds}", file=sys.stderr, flush=True)
-    waited = cpu * (comm.rank != 0)  # the late rank did not wait
-    most = slowest(comm, waited)  # ``after`` is rank 0's own
-    results = [dict(way=way, cpu_median=float(np.median(most[w, args.warmup:])),
-                    after_median=float(np.median(after[w, args.warmup:])),
-                    after_p90=float(np.percentile(after[w, args.warmup:], 90)))
-               for w, way in enumerate(WAYS)]
+    results = measure(comm, args.collective, args.late_ms / 1e3, args.warmup, args.repeat,
+                      lambda line: print(line, file=sys.stderr, flush=True))
     hosts = record.hosts_of(comm)
     if lead:
         print(f"# {comm.size} ranks, {library_name()}; rank 0 {args.late_ms:g} ms late at {args.collective}; "

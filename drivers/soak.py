@@ -20,17 +20,13 @@ segments, so a caller can check that none is left in /dev/shm after the exit.
 from __future__ import annotations
 
 import argparse
-import time
-from typing import Dict, List
 
-import numpy as np
-
-from spar_comm import ALGORITHMS, Topology, make_allreducer
-from spar_comm.bench.record import meta
-from spar_comm.bench.resources import FIGURES, growth, snapshot, worst
+from spar_comm import ALGORITHMS, Topology
+from spar_comm.bench.record import meta, refuse_unwritable
+from spar_comm.bench.resources import growth_table, worst
+from spar_comm.bench.soak import soak
 from spar_comm.cli import comma_list, density, positive_float, positive_int
-from spar_comm.consensus import raise_if_any
-from spar_comm.files import unwritable, write_json
+from spar_comm.files import write_json
 from spar_comm.launch import run_main
 from spar_comm.mpi_strings import library_name
 
@@ -58,57 +54,13 @@ def main() -> int:
     topology = Topology(ranks_per_node=args.ranks_per_node)
     world = topology.world
     lead = world.rank == 0
-    raise_if_any(world, unwritable(args.out) if lead and args.out else None)
-    rng = np.random.default_rng(world.rank)
-    grads = [rng.standard_normal(args.size).astype(np.float32) for _ in range(4)]
-    out = np.empty(args.size, np.float32)
-
-    def build(algorithm: str):
-        return make_allreducer(algorithm, topology, args.size, "float32", args.density, args.selector, shared_buffer=True)
-
-    snapshots: Dict[str, List[dict]] = {}
-    seconds: Dict[str, float] = {}
-
-    def record(phase: str, began: float) -> None:
-        seconds[phase] = time.perf_counter() - began
-        snapshots[phase] = world.allgather(snapshot())
-        if lead:
-            rss = max(s["rss_kib"] for s in snapshots[phase])
-            print(f"# {phase}: {seconds[phase]:.1f} s; largest RSS {rss / 1024:.1f} MiB", flush=True)
-
-    began = time.perf_counter()
-    reducers = [build(algorithm) for algorithm in args.algorithms]
-    for reducer in reducers:  # first calls compile and allocate: not a leak
-        reducer.allreduce(grads[0], out=out)
-    record("start", began)
-
-    began = time.perf_counter()
-    for step in range(args.steps):
-        reducers[step % len(reducers)].allreduce(grads[step % len(grads)], out=out)
-    record("steps", began)
-    for reducer in reducers:
-        reducer.free()
-    del reducers
-
-    began = time.perf_counter()
-    for algorithm in args.algorithms:
-        for _ in range(args.rebuilds):
-            reducer = build(algorithm)
-            reducer.allreduce(grads[0], out=out)
-            reducer.free()
-    del reducer
-    record("rebuilt", began)
-
+    refuse_unwritable(world, args.out)
+    snapshots, seconds = soak(topology, args.algorithms, args.size, args.density, args.selector, args.steps,
+                              args.rebuilds, lambda line: print(line, flush=True))
     verdicts = {phase: worst(snapshots, phase) for phase in ("steps", "rebuilt")}
     passed = all(value < args.bound for figures in verdicts.values() for value in figures.values())
     if lead:
-        print(f"{'phase':<8} " + " ".join(f"{name:>14}" for name in FIGURES) + "   (worst rank: value at start -> now, growth)")
-        for phase, figures in verdicts.items():
-            cells = []
-            for name in FIGURES:
-                rank = max(range(world.size), key=lambda r: growth(snapshots["start"][r], snapshots[phase][r])[name])
-                cells.append(f"{snapshots['start'][rank][name]}->{snapshots[phase][rank][name]} {figures[name]:+.1%}")
-            print(f"{phase:<8} " + "  ".join(cells))
+        print(growth_table(snapshots, verdicts))
         print(f"{'passed' if passed else 'FAILED'}: growth bound {args.bound:.0%}, {args.steps} steps over "
               f"{', '.join(args.algorithms)}, {args.rebuilds} builds of each; {topology.describe().split(';')[0]}")
         if args.out:

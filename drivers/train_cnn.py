@@ -16,24 +16,17 @@ import torch
 import torch.nn.functional as F
 
 import spar_comm.torch as sct                                                        # spar_comm
-from spar_comm import ALGORITHMS, retain_freed_memory
-from spar_comm.cli import density, positive_float, positive_int
+from spar_comm import retain_freed_memory
 from spar_comm.launch import run_main
-from spar_comm.workloads.resnet import add_model_arguments, build_model, digits_images
+from spar_comm.workloads.command_line import add_resnet_arguments, add_training_arguments
+from spar_comm.workloads.resnet import digits_images, resnet
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="train_cnn.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithm", default="hitopk", choices=[*ALGORITHMS, "auto"],
-                        help="gradient allreduce (default: %(default)s)")
-    parser.add_argument("--density", type=density, default=0.01, help="fraction of gradients sent (default: %(default)s)")
-    parser.add_argument("--steps", type=positive_int, default=300, help="(default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="images per rank (default: %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    parser.add_argument("--eval-every", type=positive_int, default=50, help="steps (default: %(default)s)")
-    add_model_arguments(parser)
+    add_training_arguments(parser, batch_size=32, batch_of="images", optimizer="SGD", lr=0.05)
+    add_resnet_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -44,7 +37,7 @@ def main() -> None:
     train_x, train_y, test_x, test_y = digits_images(args.image)
     generator = torch.Generator().manual_seed(args.seed * 1000 + sct.rank())       # spar_comm
 
-    model = build_model(args)
+    model = resnet(args.width, seed=args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     sct.broadcast_parameters(model)                                                  # spar_comm
     optimizer = sct.DistributedOptimizer(optimizer, model.named_parameters(),        # spar_comm

@@ -34,13 +34,14 @@ import time
 
 import torch
 import torch.distributed.checkpoint.state_dict as dcp_state
-from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import spar_comm.torch as sct                                                        # spar_comm
 from spar_comm import Topology, retain_freed_memory
+from spar_comm.workloads.digits import digits
+from spar_comm.workloads.mlp import mlp
 
 
 def main():
@@ -66,22 +67,18 @@ def main():
         parser.error("--backend nccl needs --device cuda")
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
-    torch.manual_seed(0)
     sct.init_process_group(args.backend)                # from torchrun's or MPI's launch # spar_comm
     device = sct.local_device() if args.device == "cuda" else torch.device("cpu")    # spar_comm
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the first NCCL collective
     topology = Topology(device="gpu-simulator") if args.device == "gpu-simulator" else None
 
-    x, y = load_digits(return_X_y=True)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))  # the same split on every rank
-    x, y = torch.tensor(x / 16.0, dtype=torch.float32)[order].to(device), torch.tensor(y)[order].to(device)
-    train, test_x, test_y = TensorDataset(x[:1440], y[:1440]), x[1440:], y[1440:]
+    train_x, train_y, test_x, test_y = digits(device)  # the same split on every rank
+    train = TensorDataset(train_x, train_y)
     sampler = DistributedSampler(train)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                                torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(device)
+    model = mlp(64, 128, layers=1).to(device)  # two hidden layers
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     hook_state, hook = sct.comm_hook(args.algorithm, args.density, topology=topology)  # spar_comm
     ddp.register_comm_hook(hook_state, hook)                                         # spar_comm

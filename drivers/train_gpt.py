@@ -12,44 +12,37 @@ Python that runs the script, in name order; every tenth file is held out for
 validation. Emulated nodes: SPAR_COMM_RANKS_PER_NODE=2.
 """
 import argparse
+from typing import Tuple
 
 import torch
 
 import spar_comm.torch as sct                                                        # spar_comm
-from spar_comm import ALGORITHMS, retain_freed_memory
-from spar_comm.cli import density, positive_float, positive_int
+from spar_comm import retain_freed_memory
+from spar_comm.cli import positive_int
 from spar_comm.launch import run_main
-from spar_comm.workloads.gpt import (add_model_arguments, build_model, random_batch, settle_model_arguments,
-                                     stdlib_text, validation_batches)
+from spar_comm.workloads.command_line import add_gpt_arguments, add_training_arguments, gpt_config
+from spar_comm.workloads.gpt import GPTConfig, gpt, random_batch, stdlib_text, validation_batches
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> Tuple[argparse.Namespace, GPTConfig]:
     parser = argparse.ArgumentParser(prog="train_gpt.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algorithm", default="hitopk", choices=[*ALGORITHMS, "auto"],
-                        help="gradient allreduce (default: %(default)s)")
-    parser.add_argument("--density", type=density, default=0.01, help="fraction of gradients sent (default: %(default)s)")
-    parser.add_argument("--steps", type=positive_int, default=300, help="(default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per rank (default: %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    parser.add_argument("--eval-every", type=positive_int, default=50, help="steps (default: %(default)s)")
+    add_training_arguments(parser, batch_size=8, batch_of="sequences", optimizer="AdamW", lr=1e-3)
     parser.add_argument("--eval-batches", type=positive_int, default=8, help="(default: %(default)s)")
-    add_model_arguments(parser)
+    add_gpt_arguments(parser)
     args = parser.parse_args(argv)
-    settle_model_arguments(parser, args)
-    return args
+    return args, gpt_config(parser, args)
 
 
 def main() -> None:
-    args = parse_args()
+    args, config = parse_args()
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
     train, validation = stdlib_text()
     held_out = validation_batches(validation, args.eval_batches, args.batch_size, args.context)
     generator = torch.Generator().manual_seed(args.seed * 1000 + sct.rank())       # spar_comm
 
-    model = build_model(args)
+    model = gpt(config, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sct.broadcast_parameters(model)                                                  # spar_comm
     optimizer = sct.DistributedOptimizer(optimizer, model.named_parameters(),        # spar_comm

@@ -16,12 +16,13 @@ import argparse
 import time
 
 import torch
-from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import spar_comm.torch as sct                                                        # spar_comm
 from spar_comm import Topology, retain_freed_memory
+from spar_comm.workloads.digits import digits
+from spar_comm.workloads.mlp import mlp
 
 
 def main():
@@ -39,20 +40,15 @@ def main():
         parser.error("--device cuda: torch sees no CUDA device")
     torch.set_num_threads(1)
     retain_freed_memory()  # a CPU step reuses its freed tensors instead of page-faulting new ones
-    torch.manual_seed(0)
     device = sct.local_device() if args.device == "cuda" else torch.device("cpu")  # spar_comm
     topology = Topology(device="gpu-simulator") if args.device == "gpu-simulator" else None
 
-    x, y = load_digits(return_X_y=True)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))  # the same split on every rank
-    x, y = torch.tensor(x / 16.0, dtype=torch.float32)[order].to(device), torch.tensor(y)[order].to(device)
-    train, test_x, test_y = TensorDataset(x[:1440], y[:1440]), x[1440:], y[1440:]
+    train_x, train_y, test_x, test_y = digits(device)  # the same split on every rank
+    train = TensorDataset(train_x, train_y)
     sampler = DistributedSampler(train, num_replicas=sct.size(), rank=sct.rank())    # spar_comm
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
-    width = args.hidden
-    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                torch.nn.ReLU(), torch.nn.Linear(width, 10)).to(device)
+    model = mlp(64, args.hidden, layers=1).to(device)  # two hidden layers
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sct.broadcast_parameters(model)                                                  # spar_comm
     optimizer = sct.DistributedOptimizer(optimizer, model.named_parameters(),        # spar_comm

@@ -3,8 +3,11 @@ and exit status 2, the same on every rank, before any MPI work starts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Type, TypeVar
+
+Kind = TypeVar("Kind")
 
 
 def positive_int(text: str) -> int:
@@ -49,3 +52,9 @@ def comma_list(kind: Callable, check: Callable[[object], bool], rule: str) -> Ca
         return items
 
     return parse
+
+
+def settings_from(args: argparse.Namespace, kind: Type[Kind]) -> Kind:
+    """The dataclass ``kind`` with each field read from the flag of its name:
+    the library takes its settings as a value, never a command line's namespace."""
+    return kind(**{field.name: getattr(args, field.name) for field in dataclasses.fields(kind)})

@@ -3,12 +3,11 @@ answer "how much accuracy do the convergence aids buy back at low density",
 each the run train.py would make with the same flags."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import shlex
 import statistics
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 from ..errors import ConfigError
 from ..training import TrainConfig, train
@@ -58,16 +57,17 @@ def base_config(workload: str, algorithm: str = "hitopk") -> TrainConfig:
     return config
 
 
-def cells(args: argparse.Namespace) -> List[Dict]:
-    """Every run: dense first, then dense through each value codec, then each
-    density with each aid set, each seed."""
+def cells(densities: Sequence[float], algorithm: str, aids: Sequence[str], dense_values: Sequence[str],
+          seeds: Sequence[int]) -> List[Dict]:
+    """Every run: dense first, then dense through each value codec, then
+    ``algorithm`` at each density with each aid set, each seed."""
     runs = [{"cell": DENSE, "algorithm": DENSE, "density": 1.0, "aids": None}]
     runs += [{"cell": f"{DENSE} {values}", "algorithm": DENSE, "density": 1.0, "aids": None, "values": values}
-             for values in args.dense_values]
-    for d in args.densities:
-        runs += [{"cell": f"{args.algorithm} {d:g} aids {state}", "algorithm": args.algorithm, "density": d,
-                  "aids": state} for state in args.aids]
-    return [{**run, "seed": seed} for run in runs for seed in args.seeds]
+             for values in dense_values]
+    for d in densities:
+        runs += [{"cell": f"{algorithm} {d:g} aids {state}", "algorithm": algorithm, "density": d,
+                  "aids": state} for state in aids]
+    return [{**run, "seed": seed} for run in runs for seed in seeds]
 
 
 def run_cell(base: TrainConfig, cell: Dict, comm: Any) -> Dict:

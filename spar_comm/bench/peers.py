@@ -1,12 +1,13 @@
-"""The modes drivers/bench_peers.py runs against each other, and the parts of
-a mode that do not depend on the run: what a step times, what the
-communication's phases are, and a mode's time to a held-out target.
-torch is imported only by the functions that use it."""
+"""The modes drivers/bench_peers.py runs against each other, the settings
+of a run, and the parts of a mode that do not depend on the run: what a
+step times, what the communication's phases are, how a failure is told, and
+a mode's time to a held-out target. torch is imported only by the functions
+that use it."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,11 +36,45 @@ MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, "no_comm")
 UNDER_TORCHRUN = (*OVER_TORCH, "no_comm")
 
 
+#: Where the communication of a spar_comm step went, in seconds summed over its buckets.
+PHASES = ("select", "intra", "inter", "local", "copies", "wait")
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """How a run measures its modes: which, spar_comm's settings (density,
+    selector, parameters reduced densely below ``dense_below`` elements),
+    the buckets (PowerSGD's DDP given one for the whole model where
+    ``powersgd_one_bucket``), the emulated nodes, the rounds, the seed of
+    PowerSGD's projections, held-out evaluations every ``eval_every`` rounds
+    and their ``targets``, how long a peer may stay silent, and the peer
+    made to fail (``inject_failure``)."""
+
+    modes: Sequence[str]
+    density: float
+    selector: str
+    dense_below: Optional[int]
+    bucket_cap_mb: float
+    powersgd_one_bucket: bool
+    ranks_per_node: Optional[int]
+    warmup: int
+    repeat: int
+    seed: int
+    eval_every: Optional[int]
+    targets: Sequence[float]
+    peer_timeout: float
+    inject_failure: Optional[str]
+
+
 def over_mpi(mode: str) -> str:
     """The mode that runs ``mode``'s allreducers over MPI (itself, where it does)."""
     return mode[: -len("_torch")] if mode in OVER_TORCH else mode
-#: Where the communication of a spar_comm step went, in seconds summed over its buckets.
-PHASES = ("select", "intra", "inter", "local", "copies", "wait")
+
+
+def describe(error: BaseException) -> str:
+    """An error in one short line, as a failed mode reports it on every rank."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}"[:300]
 
 
 @dataclass

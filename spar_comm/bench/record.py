@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..files import write_json
+from ..consensus import raise_if_any
+from ..files import unwritable, write_json
 
 #: The fields every meta holds; a tool's own fields may not reuse these names.
 COMMON = ("tool", "command", "hosts", "date", "versions")
@@ -61,3 +62,10 @@ def meta(tool: str, hosts: Optional[Sequence[str]] = None, **fields: Any) -> Dic
 def write_record(path: Any, meta_: Dict[str, Any], **body: Any) -> None:
     """Write ``{"meta": meta_, **body}`` to ``path`` (atomic, checked)."""
     write_json(path, {"meta": meta_, **body})
+
+
+def refuse_unwritable(comm: Any, path: Optional[str]) -> None:
+    """Where rank 0 is to write ``path``, every rank raises the same
+    ConfigError now if it cannot (collective): only rank 0's view of the file
+    system counts, and a long run must not end unable to write what it measured."""
+    raise_if_any(comm, unwritable(path) if comm.rank == 0 and path else None)

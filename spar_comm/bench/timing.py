@@ -1,10 +1,12 @@
 """Timing across ranks: a collective call is as slow as its slowest rank, so
 every benchmark reports, per round, the largest of the ranks' times, and
 then the median over rounds, which a spell of load on a shared machine
-hardly moves."""
+hardly moves. One process's own medians too, by the wall clock or by CUDA
+events, for what runs on one rank (top-k selection)."""
 from __future__ import annotations
 
-from typing import Any, Callable, List
+import time
+from typing import Any, Callable, List, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -31,6 +33,18 @@ def rotated(count: int, start: int) -> List[int]:
     ``start``'s order of ``count`` interleaved modes, so that no mode always
     runs right after the same one."""
     return [(start + j) % count for j in range(count)]
+
+
+def wall_median(run: Callable[[], object], repeat: int) -> Tuple[float, float]:
+    """(median, min) wall-clock seconds of ``repeat`` calls of ``run`` after
+    one warm-up call: one process's own time, where no other rank takes part."""
+    run()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), float(min(times))
 
 
 def cuda_event_ms(cupy: Any, run: Callable[[], object], repeat: int) -> List[float]:

@@ -6,19 +6,30 @@ running Python, in name order; every tenth file is held out for validation.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sysconfig
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cli import positive_int
 from ..errors import ConfigError
 
-#: --tiny: a model and context small enough for a smoke test.
-TINY = dict(layers=2, width=32, heads=2, context=32)
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The model's size: Transformer blocks, embedding width, attention heads
+    (a divisor of the width) and bytes per sequence."""
+
+    layers: int = 6
+    width: int = 384
+    heads: int = 6
+    context: int = 128
+
+
+#: A model and context small enough for a smoke test.
+TINY = GPTConfig(layers=2, width=32, heads=2, context=32)
 
 
 # -- data: the standard library's sources, one byte a token ------------------------------------
@@ -43,6 +54,7 @@ def windows(text: torch.Tensor, starts: torch.Tensor, context: int) -> tuple:
 
 
 def random_batch(text: torch.Tensor, batch_size: int, context: int, generator: torch.Generator) -> tuple:
+    """``batch_size`` windows of ``text`` at starts drawn from ``generator``."""
     return windows(text, torch.randint(len(text) - context - 1, (batch_size,), generator=generator), context)
 
 
@@ -86,23 +98,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def build_model(args: argparse.Namespace) -> GPT:
-    torch.manual_seed(args.seed)
-    return GPT(args.layers, args.width, args.heads, args.context)
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model's size flags (shared with bench_peers.py)."""
-    parser.add_argument("--layers", type=positive_int, default=6, help="Transformer blocks (default: %(default)s)")
-    parser.add_argument("--width", type=positive_int, default=384, help="embedding width (default: %(default)s)")
-    parser.add_argument("--heads", type=positive_int, default=6, help="attention heads (default: %(default)s)")
-    parser.add_argument("--context", type=positive_int, default=128, help="bytes per sequence (default: %(default)s)")
-    parser.add_argument("--tiny", action="store_true", help="smoke-test sizes as defaults: "
-                        + ", ".join(f"--{k} {v}" for k, v in TINY.items()))
-
-
-def settle_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.tiny:  # smaller defaults: flags given explicitly still win
-        vars(args).update({k: v for k, v in TINY.items() if getattr(args, k) == parser.get_default(k)})
-    if args.width % args.heads:
-        parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+def gpt(config: GPTConfig, seed: int = 0) -> GPT:
+    """A GPT of ``config``'s size; the same weights for the same ``seed``."""
+    torch.manual_seed(seed)
+    return GPT(config.layers, config.width, config.heads, config.context)
