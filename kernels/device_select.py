@@ -115,7 +115,7 @@ class DeviceSelector:
         return None if self.workspace is None else key_to_value(self.kth_key, self.workspace.dtype)
 
 
-class Exact(DeviceSelector):
+class DeviceExact(DeviceSelector):
     """A radix select over the whole array, no floor."""
 
     def _select(self, workspace: Workspace, bits: Any) -> Any:
@@ -124,7 +124,7 @@ class Exact(DeviceSelector):
         return positions
 
 
-class MSTopK(DeviceSelector):
+class DeviceMSTopK(DeviceSelector):
     """The paper's bisection of the threshold between the mean and the largest
     magnitude, on the keys, 255 thresholds a pass (N halving steps in all); then
     a gather at the floor it ends on and the exact pick."""
@@ -142,7 +142,7 @@ class MSTopK(DeviceSelector):
         return positions
 
 
-class Threshold(DeviceSelector):
+class DeviceThreshold(DeviceSelector):
     """Sampled floor, one candidate pass, exact pick."""
 
     def _select(self, workspace: Workspace, bits: Any) -> Any:
@@ -152,9 +152,9 @@ class Threshold(DeviceSelector):
         return positions
 
 
-class ThresholdWarm(Threshold):
+class DeviceThresholdWarm(DeviceThreshold):
     """Starts from the last call's k-th magnitude times ``margin``, adapted by
-    the CPU method's rule; the first call is ``Threshold``'s."""
+    the CPU method's rule; the first call is ``DeviceThreshold``'s."""
 
     def __init__(self, margin: float = 0.9) -> None:
         super().__init__()
@@ -178,21 +178,21 @@ class ThresholdWarm(Threshold):
 
 
 def exact(x: Any, k: int) -> Any:
-    """``Exact`` once."""
-    return Exact()(x, k)
+    """``DeviceExact`` once."""
+    return DeviceExact()(x, k)
 
 
 def mstopk(x: Any, k: int, N: int = 30) -> Any:
-    """``MSTopK`` once."""
-    return MSTopK(N)(x, k)
+    """``DeviceMSTopK`` once."""
+    return DeviceMSTopK(N)(x, k)
 
 
 #: Method name -> factory of a device selector, as the host methods are named.
 METHODS = {
-    "exact": Exact,
-    "mstopk": MSTopK,
-    "threshold": Threshold,
-    "threshold_warm": ThresholdWarm,
+    "exact": DeviceExact,
+    "mstopk": DeviceMSTopK,
+    "threshold": DeviceThreshold,
+    "threshold_warm": DeviceThresholdWarm,
 }
 for _name, _factory in METHODS.items():
     register(_name, _factory, exact=True, device=True)

@@ -112,7 +112,7 @@ def test_fewer_than_k_above_the_mean_is_still_exact():
 
 
 def test_the_warm_start_adapts_its_margin_and_stays_exact():
-    selector = device_select.ThresholdWarm(margin=0.9)
+    selector = device_select.DeviceThresholdWarm(margin=0.9)
     rng = np.random.default_rng(3)
     x = rng.standard_normal(256).astype(np.float32)  # the admitted counts below depend on the size
     margins = []
@@ -122,13 +122,13 @@ def test_the_warm_start_adapts_its_margin_and_stays_exact():
         margins.append(selector.margin)
     assert margins == pytest.approx([0.9, 0.9, 0.81, 0.9])  # widened, then loosened back
     with pytest.raises(ValueError, match="margin"):
-        device_select.ThresholdWarm(margin=1.5)
+        device_select.DeviceThresholdWarm(margin=1.5)
 
 
 @pytest.mark.slow
 def test_the_selector_objects_check_their_input_too():
     x = on_device(np.arange(50, dtype=np.float32))
-    for selector in (device_select.Threshold(), device_select.ThresholdWarm()):
+    for selector in (device_select.DeviceThreshold(), device_select.DeviceThresholdWarm()):
         assert selector(x, 60).tolist() == list(range(50))  # k beyond the size: everything
         with pytest.raises(ValueError, match="k must be >= 1"):
             selector(x, 0)

@@ -97,9 +97,9 @@ def test_staging_moves_the_pairs_not_the_vector(gpu_topology):
     """topka stages its k pairs out and the p records in: (p + 1) records, a
     few hundred bytes, against 1,200 for the vector; CUDA-aware stages nothing."""
     reducer = make_allreducer("topka", gpu_topology, N, "float32", density=DENSITY, selector="threshold")
-    assert isinstance(reducer.topk.selector, device_select.Threshold)  # the device kernels select
+    assert isinstance(reducer.topk.selector, device_select.DeviceThreshold)  # the device kernels select
     reducer.allreduce(on_device(gpu_topology, integer_grads(N, 0, COMM.size, N, "float32")[COMM.rank]))
-    record = PairLayout(reducer.topk.k, np.dtype("float32")).nbytes
+    record = PairLayout(reducer.topk.k_most, np.dtype("float32")).nbytes
     expected = 0 if gpu_topology.memory.cuda_aware else (COMM.size + 1) * record
     staged = reducer.last["bytes_staged"]
     assert_all(COMM, staged == expected, f"staged {staged} bytes, expected {expected}")

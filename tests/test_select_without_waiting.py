@@ -157,7 +157,7 @@ def test_the_stand_in_refuses_what_real_cupy_would_wait_for(stand_in):
                  lambda: sys.modules["cupy"].cuda.get_current_stream().synchronize()):
         with pytest.raises(HostRead):
             read()
-    selector = device_select.ThresholdWarm()
+    selector = device_select.DeviceThresholdWarm()
     selector(ndarray(np.linspace(-1, 1, 300).astype(np.float32)), 5)
     with pytest.raises(HostRead):
         selector.threshold  # the k-th magnitude is a read, made only when asked for
