@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import spar_comm.torch as sct                                                        # spar_comm
-from spar_comm.workloads import gpt
+from spar_comm.workloads.command_line import add_gpt_arguments, gpt_config
+from spar_comm.workloads.gpt import gpt, random_batch, stdlib_text, validation_batches
 
 
 def main() -> int:
@@ -38,16 +39,16 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="per rank (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    gpt.add_model_arguments(parser)
+    add_gpt_arguments(parser)
     parser.set_defaults(layers=2, width=64, heads=4, context=64)
     args = parser.parse_args()
-    gpt.settle_model_arguments(parser, args)
+    config = gpt_config(parser, args)
     torch.set_num_threads(1)
 
     sct.init_process_group("gloo")                         # from torchrun's or MPI's launch # spar_comm
     mesh = sct.node_mesh()                                 # ("rep", "shard"): a row a node # spar_comm
     native = args.algorithm == "native"
-    model = gpt.build_model(args)
+    model = gpt(config, args.seed)
     for module in [*model.blocks, model]:
         fully_shard(module, mesh=mesh if native else mesh["shard"])
     if not native:
@@ -61,11 +62,11 @@ def main() -> int:
               f"{'torch HSDP (dense all-reduce)' if native else args.algorithm}"
               f"{'' if args.algorithm in ('native', 'dense') else f' at density {args.density}'}",
               flush=True)
-    train, validation = gpt.stdlib_text()
+    train, validation = stdlib_text()
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     started = time.perf_counter()
     for step in range(args.steps):
-        x, y = gpt.random_batch(train, args.batch_size, args.context, generator)
+        x, y = random_batch(train, args.batch_size, args.context, generator)
         loss = model(x, y)
         loss.backward()
         optimizer.step()
@@ -73,7 +74,7 @@ def main() -> int:
         if rank == 0 and (step + 1) % 10 == 0:
             print(f"step {step + 1:4d}  loss {loss.item():.4f}  {time.perf_counter() - started:.1f} s", flush=True)
     with torch.no_grad():
-        losses = [model(x, y).item() for x, y in gpt.validation_batches(validation, 4, args.batch_size, args.context)]
+        losses = [model(x, y).item() for x, y in validation_batches(validation, 4, args.batch_size, args.context)]
     if rank == 0:
         print(f"validation loss {sum(losses) / len(losses):.4f}", flush=True)
 
