@@ -114,9 +114,10 @@ def test_hsdp_with_the_hook_is_torchs_hsdp_conserves_and_refuses_a_wrong_mesh(no
     """tests/torchrun_fsdp.py on emulated nodes: FSDP2 sharded inside each
     node, reduced between nodes by hsdp_hook. ``dense`` ends on torch's own
     HSDP (2-D mesh) with force-sum, accumulation and mixed precision;
-    ``topka`` conserves per shard with a shard's residual and the same
-    shards on every replica; an Inf is NaN everywhere with the residuals
-    kept; a save resumes to the bit; a wrong mesh is refused alike."""
+    ``topka``, ``gtopk``, int8 values and ``auto`` conserve per shard with a
+    shard's residual and the same shards on every replica; an Inf is NaN
+    everywhere with the residuals kept; a save resumes to the bit; a wrong
+    mesh and the algorithms that do not apply are refused alike."""
     ranks = nodes * per_node
     run, left = torchrun(ranks, ROOT / "tests" / "torchrun_fsdp.py",
                          env={"SPAR_COMM_RANKS_PER_NODE": str(per_node)}, limit=150)
