@@ -151,14 +151,15 @@ def check_close(name: str, got: List[torch.Tensor], expected: List[torch.Tensor]
         failures.append(f"{name}: {worst:.3g} from torch's HSDP")
 
 
-def native_and_hook(mesh, failures: list, name: str, atol: float = 1e-6, hook: Callable = None,
+def native_and_hook(mesh, failures: list, name: str, atol: float = 1e-6, transport: Optional[str] = None,
                     **how) -> None:
-    """The same training under torch's HSDP and under the dense hook: the same parameters."""
+    """The same training under torch's HSDP and under the dense hook (over
+    ``transport``): the same parameters."""
     build = {key: how.pop(key) for key in ("mp", "factor", "force_sum") if key in how}
     native = sharded(mesh, **build)
     train(native, **how)
     mine = sharded(mesh["shard"], **build)
-    sct.hsdp_hook(mine, "dense", mesh=mesh)
+    sct.hsdp_hook(mine, "dense", mesh=mesh, transport=transport)
     calls = recorded(mine)
     train(mine, **how)
     check_close(name, full(mine), full(native), failures, atol)
