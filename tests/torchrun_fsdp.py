@@ -17,13 +17,16 @@ the check is to the bit; elsewhere to float32's rounding of the node means);
 ``auto`` chooses among dense, topka and gtopk alike on every rank;
 ``hitopk`` runs ``topka`` and ``hier_dense`` runs ``dense``; an Inf on one
 rank is a NaN group on every rank with the residuals kept; a save resumes to
-the same bits; a wrong mesh, a divide factor gloo cannot run, and
+the same bits, and on 3 nodes of 2 a save of 2 nodes of 2 (the launches'
+shared directory, ``SPAR_COMM_TEST_HSDP_CHECKPOINT``) keeps each shard's
+residual total to the bit, where nodes of 3 refuse it; a wrong mesh, a divide factor gloo cannot run, and
 ``hitopk_leader``, ``adasum`` and ``powersgd`` are refused on every rank with
 the same ConfigError, saying why.
 Prints ``rank R: FAILURES failed`` and each failure."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import tempfile
 import traceback
@@ -288,6 +291,69 @@ def resume(mesh, failures: list) -> None:
         shutil.rmtree(directory[0], ignore_errors=True)
 
 
+#: The directory that test_torchrun.py's launches share: 2 nodes of 2 save there, 3 nodes of 2 and 2 of 3 resume.
+ELSEWHERE = "SPAR_COMM_TEST_HSDP_CHECKPOINT"
+
+
+def elsewhere(mesh, failures: list) -> None:
+    """A save on 2 nodes of 2 (two steps of ``topka``, with the shards'
+    residual totals and the parameters beside it) resumed on 3 nodes of 2:
+    the parameters, and each shard's residual total over the replicas, to
+    the bit; then a step. On nodes of 3 ranks the resume is refused alike."""
+    directory = os.environ.get(ELSEWHERE)
+    if not directory:
+        return
+    model = sharded(mesh["shard"], model=Chosen())
+    state = sct.hsdp_hook(model, "topka", density=0.3, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    saved = {"train": Trained(model, optimizer), "hsdp": state}
+    reference = os.path.join(directory, "reference.npz")
+    layout = tuple(mesh.mesh.shape)
+    if layout == (2, 2):
+        for step in range(2):
+            optimizer.zero_grad()
+            model(chosen_grads(step)).backward()
+            optimizer.step()
+        sct.save_checkpoint(saved, directory, 2)
+        totals, parameters = residual_totals(state), full(model)
+        if dist.get_rank() == 0:
+            np.savez(reference, parameters=np.concatenate([p.flatten().numpy() for p in parameters]), **totals)
+    elif layout[1] == 3 and os.path.exists(reference):
+        refused("resume on nodes of 3", "saved on nodes of 2 ranks; this job's nodes have 3",
+                lambda: sct.load_checkpoint(saved, directory), failures)
+    elif os.path.exists(reference):
+        resumed = sct.load_checkpoint(saved, directory)
+        with np.load(reference) as kept:
+            expected = dict(kept)
+        got = np.concatenate([p.flatten().numpy() for p in full(model)])
+        if (resumed.saved_world, resumed.world) != (4, dist.get_world_size()) or \
+                not np.array_equal(got, expected.pop("parameters")):
+            failures.append(f"resume elsewhere: {resumed}, parameters equal: {np.array_equal(got, expected)}")
+        totals = residual_totals(state)
+        if totals.keys() != expected.keys() or not all(np.array_equal(totals[k], expected[k]) for k in totals):
+            failures.append(f"resume elsewhere: the residual totals by shard changed ({sorted(totals)}, "
+                            f"saved {sorted(expected)})")
+        model(chosen_grads(2)).backward()
+        mine = b"".join(p.grad.to_local().numpy().tobytes() for p in model.parameters())
+        if not same_on_all(mine, mesh["rep"].get_group()):
+            failures.append("resume elsewhere: the replicas' gradients differ after the resume")
+
+
+def residual_totals(state) -> Dict[str, np.ndarray]:
+    """Every rank's residuals (``state_dict()``'s) totalled over the job by
+    module and shard, in float64 (exact for the chosen gradients)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [(name, shard, values.numpy().astype(np.float64))
+                                      for name, shard, _, _, values in state.state_dict()["residuals"][
+                                          f"rank{dist.get_rank()}"]])
+    totals: Dict[str, np.ndarray] = {}
+    for entries in everyone:
+        for name, shard, values in entries:
+            key = f"{name or 'root'}.shard{shard}"
+            totals[key] = totals.get(key, 0) + values
+    return totals
+
+
 class Trained:
     """The sharded model's and optimizer's state, through torch's helpers."""
 
@@ -353,6 +419,7 @@ def main() -> None:
         "hier_dense": lambda: taken_as(mesh, failures, "hier_dense", "dense"),
         "overflow": lambda: overflow(mesh, failures),
         "resume": lambda: resume(mesh, failures),
+        "resume elsewhere": lambda: elsewhere(mesh, failures),
         "wrong mesh": lambda: refused(
             "wrong mesh", "replica group in the mesh",
             lambda: sct.hsdp_hook(sharded(mesh["shard"]), "topka", mesh=DeviceMesh(
