@@ -114,6 +114,11 @@ FAULTS = [
           "the DDP hook reduces buckets in the order DDP hands them over, not in index order: ranks "
           "that get them in another order reduce different buckets together",
           "mpi:3:2 tests/test_torch_ddp_mpi.py"),
+    Fault("hsdp-replica-reduction-removed", "HSDP replica reduction", "spar_comm/torch/fsdp.py",
+          "self._engine.reduce(shard.reducer, output, finite=self._node_finite(output))", "return",
+          "the HSDP hook leaves each shard's node mean as FSDP handed it: no exchange between nodes, so "
+          "the replicas drift apart and the result is not the mean over all ranks",
+          "mpi:4:2 tests/test_torch_fsdp_mpi.py"),
     Fault("checkpoint-velocity-not-restored", "checkpoint", "spar_comm/training/checkpoint.py",
           "restored = [(state.params, saved.params), (state.velocity, saved.velocity)]",
           "restored = [(state.params, saved.params)]",

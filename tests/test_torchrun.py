@@ -108,18 +108,28 @@ def test_ddp_over_a_gloo_group_is_exact_conserves_and_survives_a_nan(ranks):
     assert [lines.get((rank, "summary")) for rank in range(ranks)] == ["0 failed"] * ranks, lines
 
 
+@pytest.fixture(scope="module")
+def hsdp_checkpoint(tmp_path_factory) -> Path:
+    """The directory the HSDP launches share: the first (2x2) saves, the later ones resume."""
+    return tmp_path_factory.mktemp("hsdp_checkpoint")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 3), (3, 2)])
-def test_hsdp_with_the_hook_is_torchs_hsdp_conserves_and_refuses_a_wrong_mesh(nodes, per_node):
+def test_hsdp_with_the_hook_is_torchs_hsdp_conserves_and_refuses_a_wrong_mesh(nodes, per_node, hsdp_checkpoint):
     """tests/torchrun_fsdp.py on emulated nodes: FSDP2 sharded inside each
     node, reduced between nodes by hsdp_hook. ``dense`` ends on torch's own
     HSDP (2-D mesh) with force-sum, accumulation and mixed precision;
-    ``topka`` conserves per shard with a shard's residual and the same
-    shards on every replica; an Inf is NaN everywhere with the residuals
-    kept; a save resumes to the bit; a wrong mesh is refused alike."""
+    ``topka``, ``gtopk``, int8 values and ``auto`` conserve per shard with a
+    shard's residual and the same shards on every replica; an Inf is NaN
+    everywhere with the residuals kept; a save resumes to the bit; a wrong
+    mesh and the algorithms that do not apply are refused alike. The 2x2
+    launch saves into ``hsdp_checkpoint``; 3x2 resumes there with each
+    shard's residual total kept, and 2x3 is refused (nodes of another size)."""
     ranks = nodes * per_node
     run, left = torchrun(ranks, ROOT / "tests" / "torchrun_fsdp.py",
-                         env={"SPAR_COMM_RANKS_PER_NODE": str(per_node)}, limit=150)
+                         env={"SPAR_COMM_RANKS_PER_NODE": str(per_node),
+                              "SPAR_COMM_TEST_HSDP_CHECKPOINT": str(hsdp_checkpoint)}, limit=150)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summaries = [line.partition(": ")[2] for line in run.stdout.splitlines() if line.startswith("rank ")
                  and line.endswith(" failed")]

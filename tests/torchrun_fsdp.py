@@ -7,17 +7,26 @@ The model's sizes do not divide by the node's ranks (FSDP pads the shards),
 and the root holds a parameter of its own (its hook is called too). Cases:
 ``dense`` ends on torch's HSDP parameters (plain, force-sum with and without
 a divide factor, accumulation both ways, mixed precision with fp32 and bf16
-reduction); ``topka`` conserves per shard (replicas times what was applied,
+reduction); ``topka``, ``gtopk``, ``topka`` with int8 values and coded
+indices, and ``auto`` conserve per shard (replicas times what was applied,
 plus the replicas' residuals, is the sum of the node means handed to the
-hook), leaves every replica the same shards and keeps a residual of a
-shard's elements (gradients chosen to sum exactly, so that
-where the replicas and the node's ranks are powers of two the check is to the
-bit; elsewhere to float32's rounding of the node means); an Inf on one rank is a NaN group on every rank with the
-residuals kept; a save resumes to the same bits; a wrong mesh, and a divide
-factor gloo cannot run, are refused on every rank with the same ConfigError.
+hook, a codec's rounding kept in the residual), leave every replica the same
+shards and keep a residual of a shard's elements (gradients chosen to sum
+exactly, so that where the replicas and the node's ranks are powers of two
+the check is to the bit; elsewhere to float32's rounding of the node means);
+``auto`` chooses among dense, topka and gtopk alike on every rank;
+``hitopk`` runs ``topka`` and ``hier_dense`` runs ``dense``; an Inf on one
+rank is a NaN group on every rank with the residuals kept; a save resumes to
+the same bits, and on 3 nodes of 2 a save of 2 nodes of 2 (the launches'
+shared directory, ``SPAR_COMM_TEST_HSDP_CHECKPOINT``) keeps each shard's
+residual total to the bit, where nodes of 3 refuse it; a wrong mesh, a divide factor gloo cannot run, and
+``hitopk_leader``, ``adasum`` and ``powersgd`` are refused on every rank with
+the same ConfigError, saying why.
 Prints ``rank R: FAILURES failed`` and each failure."""
 from __future__ import annotations
 
+import functools
+import os
 import shutil
 import tempfile
 import traceback
@@ -32,7 +41,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import spar_comm.torch as sct
 from spar_comm import ConfigError
-from torchrun_helpers import report
+from torchrun_helpers import report, say
 
 STEPS = 3
 
@@ -145,14 +154,15 @@ def check_close(name: str, got: List[torch.Tensor], expected: List[torch.Tensor]
         failures.append(f"{name}: {worst:.3g} from torch's HSDP")
 
 
-def native_and_hook(mesh, failures: list, name: str, atol: float = 1e-6, hook: Callable = None,
+def native_and_hook(mesh, failures: list, name: str, atol: float = 1e-6, transport: Optional[str] = None,
                     **how) -> None:
-    """The same training under torch's HSDP and under the dense hook: the same parameters."""
+    """The same training under torch's HSDP and under the dense hook (over
+    ``transport``): the same parameters."""
     build = {key: how.pop(key) for key in ("mp", "factor", "force_sum") if key in how}
     native = sharded(mesh, **build)
     train(native, **how)
     mine = sharded(mesh["shard"], **build)
-    sct.hsdp_hook(mine, "dense", mesh=mesh)
+    sct.hsdp_hook(mine, "dense", mesh=mesh, transport=transport)
     calls = recorded(mine)
     train(mine, **how)
     check_close(name, full(mine), full(native), failures, atol)
@@ -160,10 +170,14 @@ def native_and_hook(mesh, failures: list, name: str, atol: float = 1e-6, hook: C
         failures.append(f"{name}: the hook was called on micro-steps without gradient sync")
 
 
-def topka(mesh, failures: list) -> None:
-    """Conservation per shard, the same shards on every replica, a shard's residual."""
+def conserves(mesh, failures: list, algorithm: str, atol: float = 1e-5, **settings) -> Dict[str, str]:
+    """Conservation per shard (replicas times what was applied, plus the
+    replicas' residuals, is the sum of the node means handed to the hook:
+    a codec's rounding stays in the residual), the same shards on every
+    replica, a shard's residual. Returns the algorithm each module's
+    allreducer runs."""
     model = sharded(mesh["shard"], model=Chosen())
-    state = sct.hsdp_hook(model, "topka", density=0.3, mesh=mesh)
+    state = sct.hsdp_hook(model, algorithm, density=0.3, mesh=mesh, **settings)
     calls = recorded(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(STEPS):
@@ -172,27 +186,54 @@ def topka(mesh, failures: list) -> None:
         optimizer.step()
     replicas = mesh["rep"].get_group()
     r, g = mesh["rep"].size(), mesh["shard"].size()
-    exact = (r & (r - 1)) == 0 and (g & (g - 1)) == 0  # FSDP's node mean and the hook's divide round nothing
+    exact = (r & (r - 1)) == 0 and (g & (g - 1)) == 0 and not settings  # no rounding in the node mean, the divide
+    case = " ".join([algorithm, *map(str, settings.values())])
     for name, made in calls.items():
         given = sum(g for g, _ in made)
         applied = sum(a for _, a in made)
-        residual = torch.from_numpy(state.shards[name].reducer.residual_full().astype(np.float64))
-        if residual.numel() != given.numel() or state.shards[name].reducer.feedback.residual.size > given.numel():
-            failures.append(f"topka {name!r}: a residual of {residual.numel()} values for a shard of {given.numel()}")
+        reducer = state.shards[name].reducer
+        residual = torch.zeros_like(given)
+        if reducer.keeps_residual:
+            residual = torch.from_numpy(reducer.residual_full().astype(np.float64))
+            if residual.numel() != given.numel() or reducer.feedback.residual.size > given.numel():
+                failures.append(f"{case} {name!r}: a residual of {residual.numel()} values for a shard of "
+                                f"{given.numel()}")
         total, raw = applied * r, given.clone()
         dist.all_reduce(raw, group=replicas)
         dist.all_reduce(residual, group=replicas)
         total += residual
-        if not (torch.equal(total, raw) if exact else torch.allclose(total, raw, rtol=0, atol=1e-5)):
-            failures.append(f"topka {name!r}: replicas x applied + residuals is not the sum of the node means "
+        if not (torch.equal(total, raw) if exact else torch.allclose(total, raw, rtol=0, atol=atol)):
+            failures.append(f"{case} {name!r}: replicas x applied + residuals is not the sum of the node means "
                             f"({float((total - raw).abs().max()):.3g})")
         if not same_on_all(applied.numpy().tobytes(), replicas):
-            failures.append(f"topka {name!r}: the replicas applied different shards")
+            failures.append(f"{case} {name!r}: the replicas applied different shards")
     mine = b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
     if not same_on_all(mine, replicas):
-        failures.append("topka: the replicas hold different parameter shards")
-    sizes = {name: made[0][0].numel() for name, made in calls.items()}
-    say_sizes.update(sizes)
+        failures.append(f"{case}: the replicas hold different parameter shards")
+    say_sizes.update({name: made[0][0].numel() for name, made in calls.items()})
+    return {name: shard.reducer.name for name, shard in state.shards.items()}
+
+
+def chooses(mesh, failures: list) -> None:
+    """``auto``: each module's choice among dense, topka and gtopk, the same
+    on every rank, and its reduction conserves."""
+    chosen = conserves(mesh, failures, "auto")
+    if not set(chosen.values()) <= {"dense", "topka", "gtopk"} or len(chosen) != 3:
+        failures.append(f"auto: chose {chosen}")
+    if not same_on_all(chosen):
+        failures.append(f"auto: the ranks chose differently ({chosen} here)")
+    if dist.get_rank() == 0:
+        say(f"rank 0: auto chose {chosen}")
+
+
+def taken_as(mesh, failures: list, algorithm: str, runs: str) -> None:
+    """``algorithm`` is ``runs`` on a replica group of one rank a node."""
+    model = sharded(mesh["shard"])
+    state = sct.hsdp_hook(model, algorithm, density=0.3, mesh=mesh)
+    train(model, steps=1)
+    names = {shard.reducer.name for shard in state.shards.values()}
+    if state.algorithm != runs or names != {runs}:
+        failures.append(f"{algorithm}: runs {state.algorithm}, allreducers {names}, not {runs}")
 
 
 say_sizes: Dict[str, int] = {}
@@ -250,6 +291,69 @@ def resume(mesh, failures: list) -> None:
         shutil.rmtree(directory[0], ignore_errors=True)
 
 
+#: The directory that test_torchrun.py's launches share: 2 nodes of 2 save there, 3 nodes of 2 and 2 of 3 resume.
+ELSEWHERE = "SPAR_COMM_TEST_HSDP_CHECKPOINT"
+
+
+def elsewhere(mesh, failures: list) -> None:
+    """A save on 2 nodes of 2 (two steps of ``topka``, with the shards'
+    residual totals and the parameters beside it) resumed on 3 nodes of 2:
+    the parameters, and each shard's residual total over the replicas, to
+    the bit; then a step. On nodes of 3 ranks the resume is refused alike."""
+    directory = os.environ.get(ELSEWHERE)
+    if not directory:
+        return
+    model = sharded(mesh["shard"], model=Chosen())
+    state = sct.hsdp_hook(model, "topka", density=0.3, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    saved = {"train": Trained(model, optimizer), "hsdp": state}
+    reference = os.path.join(directory, "reference.npz")
+    layout = tuple(mesh.mesh.shape)
+    if layout == (2, 2):
+        for step in range(2):
+            optimizer.zero_grad()
+            model(chosen_grads(step)).backward()
+            optimizer.step()
+        sct.save_checkpoint(saved, directory, 2)
+        totals, parameters = residual_totals(state), full(model)
+        if dist.get_rank() == 0:
+            np.savez(reference, parameters=np.concatenate([p.flatten().numpy() for p in parameters]), **totals)
+    elif layout[1] == 3 and os.path.exists(reference):
+        refused("resume on nodes of 3", "saved on nodes of 2 ranks; this job's nodes have 3",
+                lambda: sct.load_checkpoint(saved, directory), failures)
+    elif os.path.exists(reference):
+        resumed = sct.load_checkpoint(saved, directory)
+        with np.load(reference) as kept:
+            expected = dict(kept)
+        got = np.concatenate([p.flatten().numpy() for p in full(model)])
+        if (resumed.saved_world, resumed.world) != (4, dist.get_world_size()) or \
+                not np.array_equal(got, expected.pop("parameters")):
+            failures.append(f"resume elsewhere: {resumed}, parameters equal: {np.array_equal(got, expected)}")
+        totals = residual_totals(state)
+        if totals.keys() != expected.keys() or not all(np.array_equal(totals[k], expected[k]) for k in totals):
+            failures.append(f"resume elsewhere: the residual totals by shard changed ({sorted(totals)}, "
+                            f"saved {sorted(expected)})")
+        model(chosen_grads(2)).backward()
+        mine = b"".join(p.grad.to_local().numpy().tobytes() for p in model.parameters())
+        if not same_on_all(mine, mesh["rep"].get_group()):
+            failures.append("resume elsewhere: the replicas' gradients differ after the resume")
+
+
+def residual_totals(state) -> Dict[str, np.ndarray]:
+    """Every rank's residuals (``state_dict()``'s) totalled over the job by
+    module and shard, in float64 (exact for the chosen gradients)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [(name, shard, values.numpy().astype(np.float64))
+                                      for name, shard, _, _, values in state.state_dict()["residuals"][
+                                          f"rank{dist.get_rank()}"]])
+    totals: Dict[str, np.ndarray] = {}
+    for entries in everyone:
+        for name, shard, values in entries:
+            key = f"{name or 'root'}.shard{shard}"
+            totals[key] = totals.get(key, 0) + values
+    return totals
+
+
 class Trained:
     """The sharded model's and optimizer's state, through torch's helpers."""
 
@@ -278,6 +382,17 @@ def refused(what: str, expected: str, call: Callable, failures: list) -> None:
         failures.append(f"{what}: the ranks raised different errors")
 
 
+#: The algorithms hsdp_hook refuses, and words of the reason each must give.
+NOT_APPLICABLE = {"hitopk_leader": "one rank a node: nothing is gathered", "adasum": "not the mean",
+                  "powersgd": "factors each parameter's matrix"}
+
+
+def refuses(mesh, failures: list, algorithm: str, why: str) -> None:
+    """``algorithm`` refused on every rank alike, saying why."""
+    refused(f"{algorithm} refused", why, lambda: sct.hsdp_hook(sharded(mesh["shard"]), algorithm, mesh=mesh),
+            failures)
+
+
 def main() -> None:
     sct.init_process_group("gloo")
     mesh = sct.node_mesh()
@@ -296,9 +411,15 @@ def main() -> None:
             mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
         "bf16, bf16 reduction": lambda: native_and_hook(
             mesh, failures, "bf16, bf16 reduction", atol=1e-3, mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
-        "topka": lambda: topka(mesh, failures),
+        "topka": lambda: conserves(mesh, failures, "topka"),
+        "gtopk": lambda: conserves(mesh, failures, "gtopk"),
+        "topka, int8 values": lambda: conserves(mesh, failures, "topka", atol=1e-4, values="int8", indices="auto"),
+        "auto": lambda: chooses(mesh, failures),
+        "hitopk": lambda: taken_as(mesh, failures, "hitopk", "topka"),
+        "hier_dense": lambda: taken_as(mesh, failures, "hier_dense", "dense"),
         "overflow": lambda: overflow(mesh, failures),
         "resume": lambda: resume(mesh, failures),
+        "resume elsewhere": lambda: elsewhere(mesh, failures),
         "wrong mesh": lambda: refused(
             "wrong mesh", "replica group in the mesh",
             lambda: sct.hsdp_hook(sharded(mesh["shard"]), "topka", mesh=DeviceMesh(
@@ -306,6 +427,8 @@ def main() -> None:
         "premul factor": lambda: refused(
             "premul factor", "PREMUL_SUM", lambda: sct.hsdp_hook(sharded(mesh["shard"], factor=mesh["shard"].size() + 1.0), "dense"),
             failures),
+        **{f"{algorithm} refused": functools.partial(refuses, mesh, failures, algorithm, why)
+           for algorithm, why in NOT_APPLICABLE.items()},
     }
     for name, case in cases.items():
         try:

@@ -9,7 +9,8 @@ on the world that saved it or on another one.
 
 ``state`` is what ``dcp.save`` and ``dcp.load`` take, with spar_comm's state
 given as the objects themselves (a ``DistributedOptimizer``, the
-``HookState`` of ``comm_hook``), which DCP treats as ``Stateful``.
+``HookState`` of ``comm_hook``, the ``HSDPState`` of ``hsdp_hook``), which
+DCP treats as ``Stateful``.
 
 A save goes to a new folder of the directory, and rank 0 then commits it by
 replacing the file ``latest`` that names it (written aside and renamed): a
@@ -24,6 +25,9 @@ bucket, and the spans follow the world), so what is kept is their total, by
 ``spar_comm/redistribute.py``'s rule, as train.py's checkpoint does: at each
 position the saved residuals that cover it are added in rank order (the
 rounding of one sum), and the total goes to one new rank that covers it.
+For the HSDP hook, a shard's replicas cover it: a resume takes another
+number of nodes of as many ranks, never nodes of another size (FSDP's
+shards, and so every residual's positions, follow the node's size).
 The saved world is read from DCP's metadata (the ranks that the residuals'
 keys name); every rank then loads every saved rank's residuals (for the hook
 each is a whole model's worth, so a rank briefly holds the saved world's),
@@ -54,8 +58,10 @@ from ..errors import ConfigError
 from .. import redistribute, waiting
 from ..consensus import raise_if_any
 from .ddp import HookState
+from .fsdp import HSDPState
 from .optimizer import _DistributedOptimizer
-from .state import HOOK_STATE_FORMAT, STATE_FORMAT, hook_residuals, optimizer_residuals, rank_key
+from .state import (HOOK_STATE_FORMAT, HSDP_STATE_FORMAT, STATE_FORMAT, hook_residuals, hsdp_residuals,
+                    optimizer_residuals, rank_key)
 from .world import job_comm
 
 #: The file naming a directory's committed save.
@@ -168,7 +174,8 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
                                                 "one file system?")
         return None
     checkpoint, step = found
-    ours = {key: value for key, value in state.items() if isinstance(value, (_DistributedOptimizer, HookState))}
+    ours = {key: value for key, value in state.items()
+            if isinstance(value, (_DistributedOptimizer, HookState, HSDPState))}
     for value in ours.values():
         if isinstance(value, _DistributedOptimizer):
             value.init_state()
@@ -192,7 +199,7 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
 def _residual_keys(name: str, value: Any) -> "re.Pattern[str]":
     """The DCP key of a saved rank's residuals of entry ``name`` (one object a
     rank for the hook, one a bucket for the optimizer); group 1 is the rank."""
-    if isinstance(value, HookState):
+    if isinstance(value, (HookState, HSDPState)):
         return re.compile(rf"^{re.escape(name)}\.residuals\.rank(\d+)$")
     return re.compile(rf"^{re.escape(name)}\.spar_comm\.residuals\.rank(\d+)\.bucket\d+$")
 
@@ -227,6 +234,8 @@ def _load_on_another_world(state: Dict[str, Any], checkpoint: str, saved: int, k
     for key, value in state.items():
         if isinstance(value, HookState):
             template[key] = _hook_template(value, saved)
+        elif isinstance(value, HSDPState):
+            template[key] = _hsdp_template(saved)
         elif isinstance(value, _DistributedOptimizer):
             template[key] = _optimizer_template(value, key, saved, keys)
         else:
@@ -235,6 +244,8 @@ def _load_on_another_world(state: Dict[str, Any], checkpoint: str, saved: int, k
     for key, value in state.items():
         if isinstance(value, HookState):
             value.load_state_dict(_hook_share(value, template[key], saved))
+        elif isinstance(value, HSDPState):
+            value.load_state_dict(_hsdp_share(value, template[key], saved))
         elif isinstance(value, _DistributedOptimizer):
             value.load_state_dict(_optimizer_share(value, template[key], saved))
         elif isinstance(value, Stateful):
@@ -278,6 +289,47 @@ def _hook_share(hook: HookState, loaded: Dict[str, Any], saved: int) -> Dict[str
     mine = tuple((b, p, torch.from_numpy(values)) for (b, p), values in sorted(share.items()))
     return {"format": HOOK_STATE_FORMAT, "world_size": comm.size, "algorithm": loaded.get("algorithm"),
             "residuals": {rank_key(comm.rank): mine}}
+
+
+# -- the HSDP hook's state: each rank's shard of each FSDP module -------------------------------
+def _hsdp_template(saved: int) -> Dict[str, Any]:
+    """Every saved rank's residuals, as whole objects, and the saved mesh."""
+    return {"format": HSDP_STATE_FORMAT, "world_size": saved, "mesh": [], "density": 0.0,
+            "residuals": {rank_key(r): () for r in range(saved)}}
+
+
+def _hsdp_share(hsdp: HSDPState, loaded: Dict[str, Any], saved: int) -> Dict[str, Any]:
+    """This rank's ``state_dict()`` on this mesh from every saved rank's
+    residuals, on nodes of as many ranks (so the same shards): for each
+    module and shard, the saved replicas' residuals totalled, each
+    position's total on one of this job's replicas of the shard (the ``i mod
+    replicas``-th), as the DDP hook's coordinates are."""
+    comm, replica = hsdp._comm, hsdp.topology.world
+    by_rank: List[Dict[str, Any]] = []
+    problem = None
+    per_node = (list(loaded.get("mesh") or []) + [None, None])[1]
+    if per_node != hsdp.mesh[1]:
+        problem = (f"the HSDP state was saved on nodes of {per_node} ranks; this job's nodes have {hsdp.mesh[1]}: "
+                   "FSDP shards each parameter over a node's ranks, so no saved residual covers a shard of this "
+                   "job's; resume on nodes of as many ranks (the number of nodes may change)")
+    for r in range(saved if problem is None else 0):
+        mine, problem = hsdp_residuals(loaded, r, saved, None)
+        if problem is not None:
+            break
+        by_rank.append(mine)
+    share = []
+    for name in sorted(set().union(*by_rank)) if problem is None else []:
+        ours = [r[name][1:] for r in by_rank if name in r and r[name][0] == hsdp.shard]  # (span, values)
+        if name not in hsdp._groups or len({span for span, _ in ours}) > 1:
+            problem = f"the HSDP state's residuals of module {name!r} do not fit this model's shards"
+            break
+        if ours:
+            (lo, hi), dtype = ours[0][0], ours[0][1].dtype
+            values = redistribute.redistributed(replica.rank, [(lo, hi)] * replica.size, [span for span, _ in ours],
+                                                lambda r: ours[r][1], dtype)
+            share.append((name, hsdp.shard, lo, hi, torch.from_numpy(values)))
+    raise_if_any(comm, problem)
+    return dict(loaded, world_size=comm.size, mesh=list(hsdp.mesh), residuals={rank_key(comm.rank): tuple(share)})
 
 
 # -- the optimizer's state: each rank's span of each bucket ---------------------------------------

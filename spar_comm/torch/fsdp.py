@@ -42,7 +42,7 @@ from ..errors import ConfigError, SparCommError
 from ..topology import Topology, ranks_per_node_setting
 from .backward_end import EndOfBackward, after_queued
 from .engine import Engine, EngineOwner, Reduction, reduction_of
-from .state import HSDP_STATE_FORMAT, hsdp_residuals, rank_key
+from .state import HSDP_STATE_FORMAT, HSDPResidual, hsdp_residuals, rank_key
 from .transport import backends, node_name
 from .world import job_comm, require_job_world
 
@@ -150,15 +150,16 @@ class HSDPState(EngineOwner):
     sum of them all between nodes, as torch's HSDP does."""
 
     def __init__(self, reduction: Reduction, topology: Topology, node: Any, comm: Any, groups: Dict[str, Any],
-                 grad_scaler: Any, divide: Tuple[Optional[float], bool], mesh: Tuple[int, int]):
+                 grad_scaler: Any, divide: Tuple[Optional[float], bool], mesh: Tuple[int, int], shard: int):
         self.reduction, self.topology = reduction, topology
         self.mesh = mesh  # (replicas, ranks a node)
+        self.shard = shard  # this rank's place in its node's FSDP mesh: the shard it holds of every module
         self._node, self._comm = node, comm  # the node's ranks (FSDP's shard group), and the job's
         self._groups = groups  # FSDP module's name -> its parameter group
         self._divide = divide  # (divide factor, force-sum) as hsdp_hook found them
         self._engine = Engine(reduction, topology.world, grad_scaler, among=USABLE)
         self.shards: Dict[str, _Shard] = {}
-        self._loaded: Dict[str, Tuple[Tuple[int, int], np.ndarray]] = {}
+        self._loaded: Dict[str, HSDPResidual] = {}
         self._step_open = False
         self._backward_end = EndOfBackward(lambda: after_queued(self._step_ended))
 
@@ -208,7 +209,7 @@ class HSDPState(EngineOwner):
             shard = self.shards[name] = _Shard(reducer)
         loaded = self._loaded.pop(name, None)
         if loaded is not None and shard.reducer.keeps_residual:
-            span, values = loaded
+            _, span, values = loaded
             shard.reducer.load_residual_state(span, values * self._engine.scale)
         return shard
 
@@ -233,20 +234,20 @@ class HSDPState(EngineOwner):
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """This rank's residuals under ``["residuals"]["rank{r}"]``, a tuple of
-        ``(module, lo, hi, values)`` (its span of the module's flat shard, in
-        the gradients' own units), beside the mesh, the algorithm and the
+        ``(module, shard, lo, hi, values)`` (its span of the module's flat
+        shard, in the gradients' own units), beside the mesh, the algorithm and the
         density. Local; call it between steps.
 
         Raises:
             ConfigError: between micro-steps, with node means not yet exchanged."""
         if any(shard.carry is not None for shard in self.shards.values()):
             raise ConfigError("the HSDP state holds micro-steps' node means not yet exchanged: save after the step")
-        mine = {name: (span, values.copy()) for name, (span, values) in self._loaded.items()}
+        mine = {name: (span, values.copy()) for name, (_, span, values) in self._loaded.items()}
         for name, shard in self.shards.items():
             if shard.reducer.keeps_residual:
                 span, values = shard.reducer.residual_state()
                 mine[name] = (span, values / self._engine.scale)
-        entries = tuple((name, int(lo), int(hi), torch.from_numpy(np.ascontiguousarray(values)))
+        entries = tuple((name, self.shard, int(lo), int(hi), torch.from_numpy(np.ascontiguousarray(values)))
                         for name, ((lo, hi), values) in sorted(mine.items()))
         return {"format": HSDP_STATE_FORMAT, "world_size": self._comm.size, "mesh": list(self.mesh),
                 "algorithm": self.algorithm, "settings": self.reduction.to_dict(), "density": self.density,
@@ -261,6 +262,10 @@ class HSDPState(EngineOwner):
             ConfigError: on every rank, before anything is loaded, where any
                 rank's state does not fit (another mesh, another rank's)."""
         mine, problem = hsdp_residuals(state, self._comm.rank, self._comm.size, self.mesh)
+        strange = sorted(name for name, (shard, _, _) in mine.items() if name not in self._groups or shard != self.shard)
+        if problem is None and strange:
+            problem = (f"the HSDP state's residuals of modules {strange} are of no shard this rank holds (shard "
+                       f"{self.shard} of modules {sorted(self._groups)})")
         raise_if_any(self._comm, problem)
         for shard in self.shards.values():  # rebuilt on their next calls, taking the loaded residuals
             shard.reducer.free()
@@ -333,7 +338,8 @@ def hsdp_hook(model: torch.nn.Module, algorithm: str = "topka", density: float =
     node = comm.Split(min(told[0]), comm.rank)
     device = "gpu" if any(p.is_cuda for p in model.parameters()) else "cpu"
     topology = Topology(replica, ranks_per_node=1, device=device)
-    state = HSDPState(reduction, topology, node, comm, groups, grad_scaler, divide, (len(replicas), node_size))
+    state = HSDPState(reduction, topology, node, comm, groups, grad_scaler, divide, (len(replicas), node_size),
+                      told[0].index(comm.rank))
     for module_name, module in _fsdp_modules(model):
         module.set_all_reduce_hook(functools.partial(state.hook, module_name))
     return state

@@ -41,9 +41,13 @@ STATE_FORMAT = 3
 #: ``residuals["rank{r}"]`` a tuple of (bucket, position, values).
 HOOK_STATE_FORMAT = 2
 #: ``HSDPState.state_dict()["format"]``: this rank's residuals only,
-#: ``residuals["rank{r}"]`` a tuple of (FSDP module's name, lo, hi, values),
-#: one a module: its span of the module's flat shard.
-HSDP_STATE_FORMAT = 1
+#: ``residuals["rank{r}"]`` a tuple of (FSDP module's name, shard, lo, hi,
+#: values), one a module: its span of the module's flat shard, the shard
+#: being the rank's place in its node's FSDP mesh (which a resume on
+#: another number of nodes totals the replicas' residuals by).
+HSDP_STATE_FORMAT = 2
+#: A module's residual in an HSDP state: (shard, (lo, hi), values).
+HSDPResidual = Tuple[int, Tuple[int, int], np.ndarray]
 #: A parameter's coordinate under the DDP hook: (bucket index, position) in the process's first iteration.
 Coordinate = Tuple[int, int]
 
@@ -170,14 +174,14 @@ def choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
             "SPAR_COMM_CALIBRATION, or name the algorithm the saved job chose")
 
 
-def hsdp_residuals(state: Any, rank: int, world_size: int, mesh: Tuple[int, int]
-                   ) -> Tuple[Dict[str, Tuple[Tuple[int, int], np.ndarray]], Optional[str]]:
-    """This rank's residuals by FSDP module, ``(span, values)`` each, from an
-    ``HSDPState.state_dict()`` saved on the same mesh (``(replicas, ranks a
-    node)``), or why not."""
+def hsdp_residuals(state: Any, rank: int, world_size: int, mesh: Optional[Tuple[int, int]]
+                   ) -> Tuple[Dict[str, HSDPResidual], Optional[str]]:
+    """Rank ``rank``'s residuals by FSDP module from an
+    ``HSDPState.state_dict()`` saved on ``world_size`` ranks and, where
+    given, on ``mesh`` (``(replicas, ranks a node)``), or why not."""
     problem = format_problem(state, HSDP_STATE_FORMAT, world_size, "the HSDP state",
                              "spar_comm.torch.hsdp_hook's state.state_dict()")
-    if problem is None and tuple(state.get("mesh", ())) != tuple(mesh):
+    if problem is None and mesh is not None and tuple(state.get("mesh", ())) != tuple(mesh):
         problem = (f"the HSDP state was saved on {state.get('mesh')} (replicas, ranks a node); this job's mesh is "
                    f"{tuple(mesh)}: each rank's residual covers its own shard")
     if problem is not None:
@@ -185,16 +189,17 @@ def hsdp_residuals(state: Any, rank: int, world_size: int, mesh: Tuple[int, int]
     entries, problem = own_residuals(state.get("residuals"), rank, world_size, "the HSDP state")
     if problem is not None:
         return {}, problem
-    mine: Dict[str, Tuple[Tuple[int, int], np.ndarray]] = {}
+    mine: Dict[str, HSDPResidual] = {}
     for entry in entries if isinstance(entries, (tuple, list)) else [None]:
         try:
-            name, lo, hi, values = entry
+            name, shard, lo, hi, values = entry
             array = np.array(torch.as_tensor(values).detach().cpu().numpy()).ravel()
             ok = isinstance(name, str) and name not in mine and array.size == int(hi) - int(lo)
             ok = ok and bool(np.isfinite(array).all())
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            return {}, "the HSDP state's residuals of this rank are not (module, lo, hi, finite values), one a module"
-        mine[name] = ((int(lo), int(hi)), array)
+            return {}, ("the HSDP state's residuals of this rank are not (module, shard, lo, hi, finite values), one "
+                        "a module")
+        mine[name] = (int(shard), (int(lo), int(hi)), array)
     return mine, None
