@@ -11,8 +11,7 @@ MPI initialises only when something collective is made.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any, List
+from .lazy import exports
 
 __version__ = "0.1.0"
 
@@ -32,16 +31,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _EXPORTS, globals())

@@ -8,8 +8,7 @@ readers (``read_trace``, ``TrainConfig``, ``build_model``) load no MPI.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any, List
+from ..lazy import exports
 
 #: Each exported name -> the module that defines it.
 _EXPORTS = {
@@ -24,16 +23,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _EXPORTS, globals())
