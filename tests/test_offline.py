@@ -6,6 +6,7 @@ it, where Open MPI leaves a file for every process that initialises it
 without mpiexec."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,8 @@ import pytest
 from conftest import ROOT
 from shm_cleanup import mpi_segments, orphaned_segments
 
+from spar_comm.costmodel.auto import Pricing
+from spar_comm.costmodel.machine import CPU, Cluster
 from spar_comm.topology import Topology
 from spar_comm.training import TrainConfig, TrainState, build_model, read_trace, save_checkpoint
 from spar_comm.training.aids import ScheduledAllreduce
@@ -99,7 +102,11 @@ def files(tmp_path_factory) -> dict:
     params, velocity = (rng.standard_normal(layout.size).astype(np.float32) for _ in range(2))
     state = TrainState(group, config, layout, params, velocity, allreduce, Shards(100, 0, 1, 10, 0), schedule, step=4)
     save_checkpoint(state, checkpoint)
-    return dict(trace=trace, checkpoint=checkpoint, block=block, state=state)
+    # A run of algorithm="auto" keeps what it priced, which a reader checks.
+    auto = dataclasses.replace(state, config=dataclasses.replace(config, algorithm="auto"),
+                               pricing=Pricing(CPU, Cluster(1, 1, None)))
+    save_checkpoint(auto, str(folder / "auto.h5"))
+    return dict(trace=trace, checkpoint=checkpoint, auto=str(folder / "auto.h5"), block=block, state=state)
 
 
 def test_the_blocker_refuses_and_logs_an_import(blocked):
@@ -120,6 +127,15 @@ def test_a_reader_without_mpi_reads_what_one_with_it_reads(blocked, files):
     state = files["state"]
     assert offline["step"] == 4 and bytes.fromhex(offline["params"]) == state.params.tobytes()
     assert bytes.fromhex(offline["residual"]) == state.allreduce.residual()[1].tobytes()
+
+
+def test_a_checkpoint_of_auto_is_read_without_mpi_and_keeps_what_it_priced(blocked, files):
+    reader = READER.replace("step=saved.step,", "step=saved.step, priced=saved.priced,")
+    result, tried = run(blocked, "-c", reader, files["trace"], files["auto"])
+    assert result.returncode == 0 and tried == "", result.stderr + tried
+    offline = json.loads(result.stdout)
+    assert offline["loaded"] == [] and offline["step"] == 4
+    assert offline["priced"] == json.loads(json.dumps(Pricing(CPU, Cluster(1, 1, None)).to_state()))
 
 
 def test_analyze_runs_without_mpi(blocked, files):

@@ -11,55 +11,16 @@ allreducers step by step, ``machine.py`` holds the figures and
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from ..lazy import exports
 
-from ..collectives import ALGORITHMS
-from ..collectives.checks import CODECS
-from .algorithms import STEPS, step_terms
-from .calibrate import CalibrationError, Measurement, fit, load, relative_errors, save
-from .machine import CPU, GPU, PRESETS, Cluster, Machine, beta_to_gbps, gbps_to_beta
+#: Each exported name -> the module that defines it, loaded on first use: the
+#: figures (``machine.py``), which a checkpoint's reader checks, load no MPI.
+_EXPORTS = {
+    **dict.fromkeys(("CPU", "GPU", "PRESETS", "Cluster", "Machine", "beta_to_gbps", "gbps_to_beta"), ".machine"),
+    **dict.fromkeys(("CalibrationError", "Measurement", "fit", "load", "relative_errors", "save"), ".calibrate"),
+    **dict.fromkeys(("STEPS", "step_terms"), ".algorithms"),
+    **dict.fromkeys(("PARTS", "breakdown", "fastest", "predict"), ".prediction"),
+}
 
-#: The parts of a step, by the prefix of the terms they sum.
-PARTS = {"select": ("select",), "intra": ("alpha_intra", "beta_intra"),
-         "inter": ("alpha_inter", "beta_inter", "host_inter"),
-         "local": ("gamma", "pair", "overhead")}
-
-
-def predict(cluster: Cluster, size: int, machine: Machine, dtype: str = "float32", density: float = 0.001,
-            selector: str = "mstopk", algorithms: Optional[Iterable[str]] = None, values: Optional[str] = None,
-            indices: Optional[str] = None) -> Dict[str, float]:
-    """Predicted seconds per allreduce call of each algorithm (default: all; with
-    ``values`` or ``indices``, all that take those codecs)."""
-    if selector not in machine.select:
-        raise ValueError(f"no selection figure for selector {selector!r}; known: {', '.join(sorted(machine.select))}")
-    default = CODECS["indices"] if indices else CODECS["values"] if values else STEPS
-    return {
-        name: machine.seconds(step_terms(name, cluster, size, dtype, density, selector, values, indices))
-        for name in (algorithms or default)
-    }
-
-
-def breakdown(algorithm: str, cluster: Cluster, size: int, machine: Machine, dtype: str = "float32",
-              density: float = 0.001, selector: str = "mstopk", values: Optional[str] = None,
-              indices: Optional[str] = None) -> Dict[str, float]:
-    """Seconds of one call split into select, intra, inter and local work."""
-    terms = step_terms(algorithm, cluster, size, dtype, density, selector, values, indices)
-    return {
-        part: machine.seconds({t: a for t, a in terms.items() if t.startswith(prefixes)})
-        for part, prefixes in PARTS.items()
-    }
-
-
-def fastest(times: Dict[str, float]) -> str:
-    """The algorithm of least predicted time; ties go to the one listed first.
-    Only algorithms that return the sum compete (``adasum`` changes the
-    update, so it is priced but never picked), unless none is listed."""
-    summing = [name for name in times if name not in ALGORITHMS or ALGORITHMS[name].sums]
-    return min(summing or times, key=lambda name: times[name])
-
-
-__all__ = [
-    "CPU", "GPU", "PRESETS", "CalibrationError", "Cluster", "Machine", "Measurement", "STEPS",
-    "beta_to_gbps", "breakdown", "fastest", "fit", "gbps_to_beta", "load", "predict", "relative_errors",
-    "save", "step_terms",
-]
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = exports(__name__, _EXPORTS, globals())

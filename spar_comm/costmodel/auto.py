@@ -24,7 +24,7 @@ from ..collectives import AUTO, Allreducer, Settings
 from ..consensus import raise_if_any, require_same
 from ..topology import Topology
 from . import calibrate, fastest, predict, probe
-from .machine import CPU, Cluster, Machine, beta_to_gbps
+from .machine import CPU, Cluster, Machine, beta_to_gbps, from_state
 
 ENV_CALIBRATION = "SPAR_COMM_CALIBRATION"
 
@@ -66,15 +66,6 @@ class Pricing:
     def to_state(self) -> Dict[str, Any]:
         """As JSON-able data, for a checkpoint."""
         return {"machine": self.machine.to_dict(), "cores": self.cluster.cores}
-
-
-def from_state(saved: Mapping[str, Any]) -> Tuple[Machine, Optional[int]]:
-    """The figures and cores of what ``Pricing.to_state`` gave; KeyError,
-    TypeError or ValueError on a malformed ``saved``."""
-    cores = saved["cores"]
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
-        raise ValueError(f"cores {cores!r}")
-    return Machine.from_dict(saved["machine"]), cores
 
 
 def resumed(topology: Topology, saved: Mapping[str, Any]) -> Pricing:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 #: The linear coefficients of the model, in the order of a fitted vector.
 LINK_TERMS = ("overhead", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "pair", "host_inter")
@@ -168,3 +168,12 @@ CPU = Machine(
 )
 
 PRESETS: Dict[str, Machine] = {"gpu": GPU, "cpu": CPU}
+
+
+def from_state(saved: Mapping[str, Any]) -> Tuple[Machine, Optional[int]]:
+    """The figures and cores of what ``auto.Pricing.to_state`` gave (a
+    checkpoint's); KeyError, TypeError or ValueError on a malformed ``saved``."""
+    cores = saved["cores"]
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"cores {cores!r}")
+    return Machine.from_dict(saved["machine"]), cores

@@ -40,6 +40,7 @@ from ..consensus import raise_if_any
 from ..errors import ConfigError, WriteError
 from ..files import (BadFileError, agree, attribute, create_hdf5, dataset, finite, open_hdf5, seal, stamp, verify,
                      write_image)
+from ..costmodel.machine import from_state
 from .config import TrainConfig
 from . import parts
 from .layout import ParamLayout
@@ -251,11 +252,9 @@ def _node_sizes(path: str, text: str, world: int) -> list:
 
 def _priced(path: str, text: str) -> dict:
     """The ``auto_priced`` attribute, checked as ``auto.resumed`` will take it."""
-    from ..costmodel import auto  # only for a checkpoint of algorithm="auto"; the cost model loads MPI
-
     try:
         priced = json.loads(text)
-        auto.from_state(priced)
+        from_state(priced)
     except (ValueError, KeyError, TypeError, RecursionError) as error:
         raise BadFileError(path, f"attribute 'auto_priced' is not what algorithm='auto' priced ({error})") from None
     return priced
