@@ -275,8 +275,8 @@ class _DistributedOptimizer(EngineOwner):
                 bucket.produced.append(event)
             bucket.ready = True
         started = time.perf_counter()
-        for bucket in self.buckets[self._order.next :]:
-            for ready in self._order.arrived(bucket.index, bucket):
+        while self._order.next < len(self.buckets):  # all ready now: each arrival releases the next ones
+            for ready in self._order.arrived(self._order.next, self.buckets[self._order.next]):
                 self._start(ready)
         if self._thread is None:
             for bucket in self.buckets:
