@@ -88,8 +88,8 @@ FAULTS = [
           "wrong only on a rank owning several shards (the smaller node of unequal ones)",
           "mpi:3:2 tests/test_collectives_mpi.py"),
     Fault("gtopk-merge-overwrites-residual", "error feedback", "spar_comm/collectives/gtopk.py",
-          "self.feedback.residual[union[dropped]] += summed[dropped]",
-          "self.feedback.residual[union[dropped]] = summed[dropped]",
+          "call.feedback.residual[union[dropped]] += summed[dropped]",
+          "call.feedback.residual[union[dropped]] = summed[dropped]",
           "gtopk's merge writes the dropped partial sums over the residual instead of adding them: "
           "what the rank had kept there is lost",
           "mpi:3:2 tests/test_collectives_mpi.py"),
@@ -108,12 +108,12 @@ FAULTS = [
           "the optimizer's bucket copy keeps only the last gradient's finite verdict: a NaN in an earlier "
           "parameter of the bucket passes into the allreduce and the residuals",
           "mpi:3:2 tests/test_torch_mpi.py"),
-    Fault("ddp-buckets-in-arrival-order", "torch hook order", "spar_comm/torch/ddp.py",
-          "while self._next in self._waiting:\n            ready = self._waiting.pop(self._next)",
-          "while self._waiting:\n            ready = self._waiting.pop(job.index)",
-          "the DDP hook reduces buckets in the order DDP hands them over, not in index order: ranks "
+    Fault("buckets-in-arrival-order", "torch bucket order", "spar_comm/torch/engine.py",
+          "while self.next in self._waiting:\n            ready, ends_round = self._waiting.pop(self.next)",
+          "while index in self._waiting:\n            ready, ends_round = self._waiting.pop(index)",
+          "the torch ways in reduce buckets in the order they are handed over, not in index order: ranks "
           "that get them in another order reduce different buckets together",
-          "mpi:3:2 tests/test_torch_ddp_mpi.py"),
+          "serial tests/test_torch_units.py"),
     Fault("hsdp-replica-reduction-removed", "HSDP replica reduction", "spar_comm/torch/fsdp.py",
           "self._engine.reduce(shard.reducer, output, finite=self._node_finite(output))", "return",
           "the HSDP hook leaves each shard's node mean as FSDP handed it: no exchange between nodes, so "
@@ -256,11 +256,11 @@ def table(results: List[dict]) -> str:
     return "\n".join(rows)
 
 
-def problems(tree: Path, faults: List[Fault]) -> List[str]:
-    """Why the check cannot run on ``tree``: missing environments, faults whose
-    text no longer occurs exactly once, files to patch with uncommitted changes."""
-    found = [f"{tree / needed} is missing (make -C {tree} install)"
-             for needed in (".venv/bin/python", ".venv/bin/mpiexec") if not (tree / needed).exists()]
+def stale(tree: Path, faults: List[Fault]) -> List[str]:
+    """The faults that no longer apply to ``tree``: a text to replace that does
+    not occur exactly once (the code it patched moved), or a hint naming no
+    stage or a missing test file."""
+    found = []
     for fault in faults:
         if not HINT.fullmatch(fault.hint) or not all((tree / file).exists() for file in fault.hint.split()[1:]):
             found.append(f"{fault.name}'s hint {fault.hint!r} names no stage, or a test file {tree} lacks")
@@ -268,6 +268,15 @@ def problems(tree: Path, faults: List[Fault]) -> List[str]:
         count = path.read_text().count(fault.before) if path.exists() else 0
         if count != 1:
             found.append(f"{fault.name} no longer applies: its text occurs {count} times in {fault.file}")
+    return found
+
+
+def problems(tree: Path, faults: List[Fault]) -> List[str]:
+    """Why the check cannot run on ``tree``: missing environments, faults that
+    no longer apply (``stale``), files to patch with uncommitted changes."""
+    found = [f"{tree / needed} is missing (make -C {tree} install)"
+             for needed in (".venv/bin/python", ".venv/bin/mpiexec") if not (tree / needed).exists()]
+    found += stale(tree, faults)
     files = sorted({fault.file for fault in faults})
     status = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--", *files],
                             capture_output=True, text=True)
