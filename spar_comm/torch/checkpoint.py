@@ -170,8 +170,8 @@ def load_checkpoint(state: Dict[str, Any], path: str) -> Optional[Resumed]:
         found, problem = None, str(error)
     raise_if_any(comm, problem)
     if any(comm.allgather(found is None)):
-        raise_if_any(comm, None if found is None else f"other ranks find no committed save in {path}: do all ranks see "
-                                                "one file system?")
+        raise_if_any(comm, None if found is None else (f"other ranks find no committed save in {path}: do all "
+                                                       "ranks see one file system?"))
         return None
     checkpoint, step = found
     ours = {key: value for key, value in state.items()
