@@ -85,7 +85,7 @@ class Allreducer:
         require_same(world, "allreducer settings",
                      {"algorithm": self.name, "size": int(size), "dtype": np.dtype(dtype).name, **settings.agreed()})
         self.settings = settings
-        self.options = dict(settings.options)
+        self.options = dict(settings.options)  # the class's defaults, merged with those given
         self.topology = topology
         self.memory = topology.memory
         self.xp = self.memory.xp
@@ -94,9 +94,6 @@ class Allreducer:
         self.dtype = sum_dtype(dtype)
         # A 16-bit gradient widened, then reduced in place (one array for every call).
         self._wide = None if self.dtype == self.grad_dtype else self.xp.empty(self.size, self.dtype)
-        self.density = float(settings.density)  # a call's unless it asks for another, up to max_density
-        self.max_density = float(settings.max_density)
-        self.error_feedback = bool(settings.error_feedback)
         self.feedback = ErrorFeedback(self.error_feedback, self.xp, self.dtype)
         self.codec = make_codec(settings.values, self.dtype, self.xp)
         self._buffer: Any = None  # see ``buffer``
@@ -109,6 +106,20 @@ class Allreducer:
         # What the first call compiles: its waits are patient, once per process.
         self._kernels = (self.name, settings.selector, self.dtype.str, self.grad_dtype.str, settings.values,
                          settings.indices, self.memory.kind)
+
+    # -- the settings, as the pieces read them ---------------------------------------------
+    @property
+    def density(self) -> float:
+        """A call's density unless it asks for another, up to ``max_density``."""
+        return float(self.settings.density)
+
+    @property
+    def max_density(self) -> float:
+        return float(self.settings.max_density)
+
+    @property
+    def error_feedback(self) -> bool:
+        return bool(self.settings.error_feedback)
 
     # -- construction helpers for subclasses -------------------------------------------
     def channel(self, comm: MPI.Comm, spans_nodes: bool) -> Channel:
