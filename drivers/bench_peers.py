@@ -22,9 +22,16 @@ warm-up.
   spar_<mode>_torch  spar_dense, spar_hier_dense, spar_topka, spar_hitopk, spar_auto and spar_hook
                      over torch.distributed's gloo group (the torch transport)
                      instead of MPI, on the same nodes
+  fsdp               FSDP2 (fully_shard on each block and the root) over the whole job
+  hsdp               torch's HSDP: FSDP2 on a 2-D mesh of the nodes, dense all-reduce between them
+  hsdp_spar_topka    FSDP2 across each node, its shards reduced between nodes by
+                     spar_comm.torch.hsdp_hook (topka; _int8: with int8 values)
+  fsdp_per_node      FSDP2 across each node, nothing between nodes: the sharded modes' floor
   no_comm            the same step with no communication: the floor
 
-Under torchrun (no MPI launch) the modes over torch and no_comm run:
+The sharded modes run in the rank's own process over torch.distributed's
+group, and every rank evaluates them. Under torchrun (no MPI launch) the
+modes over torch, the sharded modes and no_comm run:
 
     torchrun --nproc-per-node 2 drivers/bench_peers.py mlp --ranks-per-node 1
 
@@ -74,6 +81,7 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
+import resource  # noqa: E402
 from typing import Callable, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
@@ -194,19 +202,24 @@ def main() -> None:
     settings = settings_from(args, PeerSettings)
     work = workload(args.batch_size, args.lr, args.seed, world.rank)
     results, parameters = measure(settings, topology, work, lambda line: print(line, flush=True))
+    peak = max(world.allgather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)) / 1024
     if world.rank == 0:
-        report(args, settings, world, topology, results, parameters)
+        report(args, settings, world, topology, results, parameters, peak)
     if dist.is_initialized():
         sct.destroy_process_group()
 
 
 def report(args: argparse.Namespace, settings: PeerSettings, world: MPI.Comm, topology: Topology, results: List[dict],
-           parameters: int) -> None:
-    """Rank 0: the table, and the plot and JSON where asked."""
+           parameters: int, peak_rss_mib: float) -> None:
+    """Rank 0: the table, and the plot and JSON where asked. ``peak_rss_mib``
+    is the largest rank's peak resident memory, every mode of its process
+    together (the forked peers' not counted): a mode's own where it ran alone."""
     heading = title(args.model, parameters, topology.describe().split(";")[0], args.batch_size, settings,
                     args.malloc == "system")
     print(heading)
     print(table(results), flush=True)
+    print(f"peak resident memory of a rank's process: {peak_rss_mib:,.0f} MiB (its modes together; "
+          "forked peers apart)", flush=True)
     if args.plot:
         plot(results, heading, args.plot, args.targets)
     if args.out:
@@ -217,6 +230,7 @@ def report(args: argparse.Namespace, settings: PeerSettings, world: MPI.Comm, to
             world_size=world.size, nodes=topology.num_nodes, topology=topology.describe(),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(), parameters=parameters,
             settings={k: v for k, v in vars(args).items() if k not in ("out", "plot")}, results=results,
+            peak_rss_mib=peak_rss_mib,
         )
         write_json(args.out, document)
 

@@ -53,6 +53,7 @@ class Peer:
     ``settings.inject_failure`` aborts in its first timed step."""
 
     phases = None  # torch's own modes: no breakdown of their communication
+    collective = False  # rank 0 alone evaluates its model
 
     def __init__(self, mode: str, init_method: str, world: MPI.Comm, settings: PeerSettings,
                  replica: torch.nn.Module, work: Workload, sent: Optional[float]):

@@ -137,8 +137,11 @@ def measure(settings: PeerSettings, topology: Topology, work: Workload,
         if settings.eval_every and ((i + 1) % settings.eval_every == 0 or i + 1 == rounds):
             for mode in [mode for mode in settings.modes if mode in runners]:
                 def evaluate(mode=mode):
-                    if world.rank == 0:
-                        evaluations[mode].append((i + 1, runners[mode].evaluate(work.metric)))
+                    runner = runners[mode]
+                    if world.rank == 0 or runner.collective:
+                        value = runner.evaluate(work.metric)
+                        if world.rank == 0:
+                            evaluations[mode].append((i + 1, value))
                 error = agreed_error(world, evaluate)
                 if error:
                     fail(results, runners, mode, f"evaluation after round {i + 1}: {error}")

@@ -17,7 +17,8 @@ from .. import torch as sct
 from ..costmodel.peers import MIN_COMPRESSION_RATE
 from ..topology import Topology
 from ..torch.world import launched
-from .peers import OVER_TORCH, SPAR, SPINNING, Runner, PeerSettings, Workload, over_mpi, phases_of
+from .peer_fsdp import build_fsdp
+from .peers import OVER_TORCH, SHARDED, SPAR, SPINNING, Runner, PeerSettings, Workload, over_mpi, phases_of
 
 
 def under_torchrun() -> bool:
@@ -61,6 +62,8 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, settings: PeerSet
     ``over_torch`` gives the job's nodes over torch.distributed's group."""
     if mode == "no_comm":
         return Runner(replica, work.new_optimizer(replica.parameters()), lambda: 0.0)
+    if mode in SHARDED:
+        return build_fsdp(mode, replica, work, settings, over_torch())
     if mode in OVER_TORCH:
         mode, topology = over_mpi(mode), over_torch()
     if mode == "spar_hook":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -30,10 +30,16 @@ SPINNING = ("spar_hitopk_spin",)
 #: transport) instead of MPI: the same allreducers, on the same nodes.
 OVER_TORCH = tuple(f"{mode}_torch" for mode in ("spar_dense", "spar_hier_dense", "spar_topka", "spar_hitopk",
                                                 "spar_auto", "spar_hook"))
-MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, "no_comm")
+#: Sharded models (FSDP2) over torch.distributed's group, each as (what it
+#: shards on, spar_comm's algorithm and value codec between nodes or None):
+#: over the job, torch's HSDP, HSDP with spar_comm between nodes, and each
+#: node alone with nothing between nodes (their floor).
+SHARDED = {"fsdp": ("world", None), "hsdp": ("nodes", None), "hsdp_spar_topka": ("node", ("topka", None)),
+           "hsdp_spar_topka_int8": ("node", ("topka", "int8")), "fsdp_per_node": ("node", None)}
+MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, *SHARDED, "no_comm")
 #: The modes a job that torchrun launched runs: no MPI, and no peer forked
 #: from a process whose gloo group already runs threads.
-UNDER_TORCHRUN = (*OVER_TORCH, "no_comm")
+UNDER_TORCHRUN = (*OVER_TORCH, *SHARDED, "no_comm")
 
 
 #: Where the communication of a spar_comm step went, in seconds summed over its buckets.
@@ -118,12 +124,20 @@ def held_out(score: Callable[["torch.nn.Module"], float]) -> Callable[["torch.nn
 
 class Runner:
     """One mode: its replica of the model, its optimizer, what a step sends
-    between nodes, and (spar_comm's optimizer) where its communication went."""
+    between nodes, its note (or what makes it at the end), and (spar_comm's
+    optimizer) where its communication went. A ``collective`` mode's
+    evaluation runs on every rank (a sharded model's forward gathers its
+    parameters), the others' on rank 0 alone."""
 
-    def __init__(self, model: Any, optimizer: Any, sent: Callable[[], Optional[float]], note: str = "",
-                 phases: Optional[Callable[[], Dict[str, float]]] = None, spin: bool = False):
-        self.model, self.optimizer, self.sent, self.note, self.phases = model, optimizer, sent, note, phases
-        self.spin = spin
+    def __init__(self, model: Any, optimizer: Any, sent: Callable[[], Optional[float]],
+                 note: Union[str, Callable[[], str]] = "", phases: Optional[Callable[[], Dict[str, float]]] = None,
+                 spin: bool = False, collective: bool = False):
+        self.model, self.optimizer, self.sent, self.phases = model, optimizer, sent, phases
+        self._note, self.spin, self.collective = note, spin, collective
+
+    @property
+    def note(self) -> str:
+        return self._note() if callable(self._note) else self._note
 
     def step(self, batch: Any, loss: Callable) -> float:
         """One training step; its seconds."""
