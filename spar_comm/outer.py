@@ -1,0 +1,98 @@
+"""The outer loop of local-step training (DiLoCo, SparseLoCo): each rank
+takes ``every`` inner steps alone; then the change of its weights since
+the outer step began, the pseudo-gradient ``start - weights``, is reduced
+across ranks by any allreducer (a sparse one with error feedback), and an
+outer optimizer applies the mean to the starting weights, which every rank
+then takes, so that all hold the same bits again.
+
+Two outer optimizers, as the literature has them:
+
+* **Nesterov momentum** (DiLoCo, Douillard et al., arXiv 2311.08105):
+  ``v = momentum*v + d;  start -= lr*(d + momentum*v)``, with DiLoCo's
+  ``lr`` 0.7 and ``momentum`` 0.9 by default;
+* **error feedback alone** (SparseLoCo, arXiv 2508.15706): ``momentum`` 0
+  and ``lr`` 1, ``start -= d``; what the top-k left out stays in the
+  allreducer's residual and goes out at a later outer step.
+
+Dense allreducers take DiLoCo's defaults and sparse ones SparseLoCo's
+(``outer_defaults``). With ``every`` 1, ``lr`` 1 and no momentum the outer
+step computes the per-step algorithm's update, allclose and not bit for bit:
+``start - (start - lr*u)`` rounds otherwise than ``lr*u``.
+
+Written against the Python array API: the training loop's NumPy or CuPy
+vectors and torch's flat buckets alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import array_api_compat
+
+#: (lr, momentum) of the outer optimizer: DiLoCo's for dense pseudo-gradients, SparseLoCo's for sparse ones.
+DILOCO, SPARSELOCO = (0.7, 0.9), (1.0, 0.0)
+
+
+def outer_defaults(sparse: bool) -> Tuple[float, float]:
+    """The outer ``(lr, momentum)`` where the user gives none."""
+    return SPARSELOCO if sparse else DILOCO
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """How often the ranks synchronise (``every`` inner steps) and the outer optimizer."""
+
+    every: int
+    lr: float
+    momentum: float
+    nesterov: bool = True
+
+    def problem(self) -> Optional[str]:
+        """Why these settings cannot run, or None."""
+        if self.every < 1:
+            return f"the outer loop's period must be >= 1 inner step, got {self.every}"
+        if not self.lr > 0:
+            return f"the outer learning rate must be > 0, got {self.lr}"
+        if not 0 <= self.momentum < 1:
+            return f"the outer momentum must be in [0, 1), got {self.momentum}"
+        return None
+
+    def describe(self) -> str:
+        kind = "error feedback alone" if not self.momentum else ("Nesterov" if self.nesterov else "momentum")
+        return (f"outer step every {self.every}: {kind}, lr {self.lr:g}"
+                + (f", momentum {self.momentum:g}" if self.momentum else ""))
+
+
+class OuterStep:
+    """The outer optimizer's state: the weights the outer step started from
+    (``start``) and its velocity, both the same on every rank."""
+
+    def __init__(self, settings: OuterSettings, params: Any):
+        xp = array_api_compat.array_namespace(params)
+        self.settings = settings
+        self.start = xp.asarray(params, copy=True)
+        self.velocity = xp.zeros_like(params)
+
+    def due(self, steps_done: int) -> bool:
+        """Whether the ranks synchronise after ``steps_done`` inner steps."""
+        return steps_done % self.settings.every == 0
+
+    def pseudo_gradient(self, params: Any) -> Any:
+        """This rank's change since the start, as a gradient (a new array: the allreducer overwrites its input)."""
+        return self.start - params
+
+    def apply(self, reduced: Any, params: Any) -> None:
+        """Take the outer step with the ranks' reduced pseudo-gradient; every
+        rank's ``params`` become the new start, in place."""
+        s = self.settings
+        update = reduced
+        if s.momentum:
+            self.velocity *= s.momentum
+            self.velocity += reduced
+            update = reduced + s.momentum * self.velocity if s.nesterov else self.velocity
+        self.start -= update if s.lr == 1 else s.lr * update
+        params[...] = self.start
+
+    def restart(self, params: Any) -> None:
+        """Start the next outer step from ``params`` (after a checkpoint is loaded or weights broadcast)."""
+        self.start[...] = params
