@@ -144,6 +144,18 @@ def test_config_problems_and_resume_differences():
     assert TrainConfig.from_json(b.to_json()) == b
 
 
+@pytest.mark.parametrize("changes, needle", [
+    (dict(sync_every=-1), "--sync-every must be >= 0"),
+    (dict(sync_every=4, outer_momentum=1.0), "outer momentum must be in [0, 1)"),
+    (dict(sync_every=4, outer_lr=0.0), "outer learning rate must be > 0"),
+    (dict(sync_every=4, checkpoint="c.h5", checkpoint_every=6), "must be a multiple of --sync-every 4"),
+    (dict(sync_every=4, algorithm="powersgd"), "does not reduce pseudo-gradients"),
+    (dict(outer_lr=0.7), "need --sync-every H"),
+])
+def test_the_outer_loop_settings_are_checked(changes, needle):
+    assert any(needle in problem for problem in TrainConfig(**changes).problems()), TrainConfig(**changes).problems()
+
+
 def test_mlp_size_of_the_throughput_task():
     """--hidden 4096 on the synthetic task is the ~16M-parameter model of the issue."""
     layout = MLP(64, 10, 4096, 2, xp, "float32").layout

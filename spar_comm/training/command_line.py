@@ -74,6 +74,18 @@ def make_parser() -> RankZeroParser:
     opt.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="steps of linear warm-up")
     opt.add_argument("--schedule", default=DEFAULTS.schedule, choices=SCHEDULES, help="after warm-up")
     opt.add_argument("--seed", type=int, default=DEFAULTS.seed, help="initial weights and data order")
+    outer = p.add_argument_group("local steps (DiLoCo, SparseLoCo: spar_comm/outer.py)")
+    outer.add_argument("--sync-every", type=int, default=DEFAULTS.sync_every, metavar="H",
+                       help="take H steps on each rank alone, then reduce the change of the weights (the "
+                            "pseudo-gradient) with --algorithm and take an outer step (0: reduce every step's "
+                            "gradient; default: %(default)s)")
+    outer.add_argument("--outer-lr", type=float, default=DEFAULTS.outer_lr,
+                       help="the outer step's learning rate (default: %(default)s; DiLoCo takes 0.7)")
+    outer.add_argument("--outer-momentum", type=float, default=DEFAULTS.outer_momentum,
+                       help="the outer step's momentum (default: %(default)s, error feedback alone, as SparseLoCo; "
+                            "DiLoCo takes 0.9 with periods of hundreds of steps)")
+    outer.add_argument("--outer-nesterov", action=argparse.BooleanOptionalAction, default=DEFAULTS.outer_nesterov,
+                       help="Nesterov's form of the outer momentum (DiLoCo's)")
     aids = p.add_argument_group("convergence aids at low density (Deep Gradient Compression; for sparse "
                                 "algorithms, ignored by dense ones)")
     aids.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=DEFAULTS.momentum_correction,

@@ -6,13 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .density import SCHEDULES as DENSITY_SCHEDULES
+from .schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from ..outer import OuterSettings
 
 MODELS = ("mlp", "softmax", "cnn")
 DATASETS = ("digits", "synthetic")
-SCHEDULES = ("cosine", "step")
 
 #: Settings that may change when a run is resumed: they stop, trace or place
 #: the run but do not change its bits.
@@ -58,6 +61,13 @@ class TrainConfig:
     values: Optional[str] = None  # a value codec for the pairs on the wire (collectives/codecs.py)
     indices: Optional[str] = None  # an index codec for them
     rank: int = 1  # PowerSGD's rank (--algorithm powersgd)
+    # The outer loop (spar_comm/outer.py): 0 reduces every step's gradient; H
+    # takes H local steps, then reduces the pseudo-gradient and takes an outer
+    # step, by default SparseLoCo's (error feedback alone).
+    sync_every: int = 0
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    outer_nesterov: bool = True
     device: str = "cpu"
     trace: Optional[str] = None
     trace_every: int = 10
@@ -110,6 +120,20 @@ class TrainConfig:
         if self.momentum_masking and not self.momentum_correction:
             found.append("--momentum-masking clears the corrected velocity: it needs momentum correction "
                          "(add --no-momentum-masking)")
+        if self.sync_every < 0:
+            found.append(f"--sync-every must be >= 0 (0: every step), got {self.sync_every}")
+        elif self.sync_every:
+            problem = self.outer().problem()
+            if problem:
+                found.append(f"--outer-lr / --outer-momentum: {problem}")
+            if self.checkpoint_every % self.sync_every:
+                found.append(f"--checkpoint-every {self.checkpoint_every} must be a multiple of --sync-every "
+                             f"{self.sync_every}: a checkpoint is taken where the ranks hold the same weights")
+            if self.algorithm in ("powersgd", "adasum"):
+                found.append(f"--sync-every: --algorithm {self.algorithm} does not reduce pseudo-gradients "
+                             "(PowerSGD's factors follow one gradient's matrices, Adasum's result is no mean)")
+        elif (self.outer_lr, self.outer_momentum, self.outer_nesterov) != (1.0, 0.0, True):
+            found.append("--outer-lr, --outer-momentum and --no-outer-nesterov need --sync-every H")
         if self.epochs is not None and self.steps is not None:
             found.append("give --epochs or --steps, not both")
         positive = dict(
@@ -136,6 +160,12 @@ class TrainConfig:
         if self.model == "cnn" and self.dataset != "digits":
             found.append("--model cnn takes 8x8 images: use it with --dataset digits")
         return found
+
+    def outer(self) -> "OuterSettings":
+        """The outer loop's settings."""
+        from ..outer import OuterSettings
+
+        return OuterSettings(self.sync_every, self.outer_lr, self.outer_momentum, self.outer_nesterov)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

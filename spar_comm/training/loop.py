@@ -22,6 +22,7 @@ from ..consensus import raise_if_any
 from ..costmodel import auto
 from ..errors import ConfigError, WriteError
 from ..files import BadFileError
+from ..outer import OuterStep
 from ..topology import Topology
 from . import compile_time
 from .aids import LocalAids, ScheduledAllreduce
@@ -152,16 +153,23 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         pricing = auto.resumed(topology, saved.priced) if resuming else auto.price(topology)
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
                                    options, pricing)
-    aids = LocalAids(config, allreduce.sparse, group.size, params, xp)
+    # Under the outer loop each rank's SGD is its inner optimizer, and the
+    # DGC aids, which act on every step's gradient, stay off.
+    outer = OuterStep(config.outer(), params) if config.sync_every else None
+    aids = LocalAids(config, allreduce.sparse and outer is None, group.size, params, xp)
     optimizer = SGD(params, xp, aids.optimizer_momentum, aids.optimizer_weight_decay)
     state = TrainState(group, config, model.layout, params, optimizer.velocity, allreduce, shards, density, pricing,
                        aids.velocity)
+    if outer is not None:  # the outer optimizer's velocity is shared, the inner ones each rank's own
+        state.velocity, state.local_velocity = outer.velocity, optimizer.velocity
 
     # -- a fresh start (rank 0's weights everywhere) or a resume ------------------------
     if saved is not None:
         load_checkpoint(saved, config.checkpoint, state)
     else:
         group.broadcast(params, xp)
+    if outer is not None:
+        outer.restart(params)
     start = state.step
     name = config.algorithm
     if name == AUTO:  # what it chose, and the cluster it priced
@@ -171,6 +179,8 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         method += f" rank {config.rank}"
     if allreduce.sparse:  # say what the schedule sends beside --density
         method += density.describe()
+    if outer is not None:
+        method += f", {outer.settings.describe()}"
     if config.values or config.indices:
         method += "".join(f", {name} {kind}" for kind, name in (("values", config.values), ("indices", config.indices))
                           if name)
@@ -206,23 +216,35 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         batch = (xp.asarray(data.x_train[idx], device=device), xp.asarray(data.y_train[idx], device=device))
         t1 = time.perf_counter()
         loss, grad = model.loss_and_grad(params, batch)
-        grad = aids.before_allreduce(grad, params)
-        t2 = time.perf_counter()
-        grad = allreduce.reduce(step, grad, xp)
-        t3 = time.perf_counter()
-        aids.after_allreduce(grad)
         lr = lr_at(step)
-        optimizer.step(params, grad, lr)
+        if outer is None:
+            grad = aids.before_allreduce(grad, params)
+            t2 = time.perf_counter()
+            grad = allreduce.reduce(step, grad, xp)
+            t3 = time.perf_counter()
+            aids.after_allreduce(grad)
+            optimizer.step(params, grad, lr)
+        else:  # an inner step, this rank's alone
+            t2 = t3 = time.perf_counter()
+            optimizer.step(params, grad, lr)
         t4 = time.perf_counter()
         step += 1
         state.step = step
-        if step == start + 1:
-            steady_began = time.perf_counter()
         flags = stop.check(step, writer is not None and writer.failure is not None)
         if flags & WRITE_FAILED:
             raise_if_any(group.comm, writer and writer.failure, WriteError)
         reason = flags & STOPS
-        last = allreduce.last
+        last = NOTHING_SENT
+        if outer is not None and (outer.due(step) or step == total or flags & (STOPS | SAVE)):
+            # The outer step, also where the run stops or saves by the clock, so
+            # that every checkpoint holds weights that all ranks share.
+            t3 = time.perf_counter()
+            outer.apply(allreduce.reduce(step - 1, outer.pseudo_gradient(params), xp), params)
+            t4, last = time.perf_counter(), allreduce.last
+        elif outer is None:
+            last = allreduce.last
+        if step == start + 1:
+            steady_began = time.perf_counter()
         recorder.record(step - 1, dict(
             data=t1 - t0, compute=t2 - t1, select=last["t_select"], comm_intra=last["t_intra"],
             comm_inter=last["t_inter"], update=t4 - t3, step=time.perf_counter() - t0,
@@ -232,7 +254,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         loss_sum, loss_count = loss_sum + loss, loss_count + 1
         bar.update(1)
         if step % shards.steps_per_epoch == 0 or step == total or reason:
-            accuracy = evaluate(model, params, data, group, xp, device)
+            accuracy = evaluate(model, params if outer is None else outer.start, data, group, xp, device)
             mean_loss = group.sum([loss_sum, loss_count])
             train_loss = mean_loss[0] / max(mean_loss[1], 1)
             loss_sum, loss_count, evaluated_at = 0.0, 0, step
@@ -251,7 +273,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     stop.restore()
 
     # -- the end: a last evaluation if the loop did none, a checkpoint, the summary ------
-    if evaluated_at != step:
+    if evaluated_at != step:  # the weights all ranks share (the outer loop's last step ended the loop)
         accuracy = evaluate(model, params, data, group, xp, device)
     if config.checkpoint:
         save_checkpoint(state, config.checkpoint)
@@ -275,6 +297,10 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         )
     with waiting.watched("Bcast of the summary", group.comm):
         return group.comm.bcast(summary, root=0)
+
+
+#: A step that sends nothing: an inner step of the outer loop.
+NOTHING_SENT = dict(t_select=0.0, t_intra=0.0, t_inter=0.0, bytes_intra=0, bytes_inter=0, k=0, threshold=0.0)
 
 
 def default_epochs(dataset: str) -> int:
