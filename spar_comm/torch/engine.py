@@ -29,6 +29,7 @@ from ..collectives import AUTO, Allreducer, Settings
 from ..costmodel import auto
 from ..errors import NonFiniteGradientError, SparCommError
 from ..launch import abort_job
+from .buckets import DTYPES, bucket_entries, require_same_buckets, signature
 from .streams import as_array
 
 #: What a NaN or Inf in any rank's gradient does: a non-finite mean on every
@@ -129,6 +130,23 @@ class Engine:
             if options:
                 settings = settings.replace(options={**settings.options, **options})
         return auto.build_allreducer(algorithm, topology, size, dtype, settings, self.pricing, self.among)
+
+    def make_buckets(self, topology: Any, named: List, dense: Any, cap_mb: float) -> List[Tuple[List, Allreducer]]:
+        """Price ``topology`` (under ``auto``), plan the buckets of ``named``
+        (``buckets.bucket_entries``) alike on every rank, and make each one's
+        allreducer: ``(entries, allreducer)`` a bucket, in index order.
+        Collective; ConfigError on every rank where the ranks' buckets differ."""
+        self.price(topology)
+        planned = bucket_entries(named, dense, cap_mb)
+        require_same_buckets(topology.world, [signature(entries) for _, entries in planned])
+        made = []
+        for kind, entries in planned:
+            # powersgd's matrices are the layers'.
+            shapes = {"shapes": [tuple(p.shape) for _, p in entries]} if self.reduction.algorithm == "powersgd" else {}
+            reducer = self.make(topology, sum(p.numel() for _, p in entries), DTYPES[entries[0][1].dtype],
+                                dense=kind == "dense", **shapes)
+            made.append((entries, reducer))
+        return made
 
     def begin_step(self, reducers: Iterable[Allreducer], carried: Iterable[torch.Tensor] = ()) -> None:
         """As a step's first bucket starts, on the communication thread: take the

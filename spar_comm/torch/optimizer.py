@@ -44,10 +44,11 @@ from ..errors import ConfigError
 from ..topology import Topology
 from . import buckets
 from .backward_end import EndOfBackward
-from .buckets import DTYPES, bucket_entries, require_same_buckets, signature
+from .buckets import signature
 from .comm_thread import CommThread
 from .engine import Engine, EngineOwner, InOrder, Reduction, reduction_of
-from .state import STATE_FORMAT, choice_problem, optimizer_residuals, rank_key, stateful_problem
+from .state import (STATE_FORMAT, bucket_residual_entries, choice_problem, optimizer_residuals, rank_key,
+                    stateful_problem)
 from .streams import NoStreams, as_array, as_tensor, streams_for
 from .world import job_comm, require_job_world
 
@@ -162,16 +163,11 @@ class _DistributedOptimizer(EngineOwner):
         self.reduction, self.plan = reduction, plan
         self._engine = Engine(reduction, topology.world, grad_scaler)
         self._streams = streams_for(topology.memory)
-        self._engine.price(topology)
-        planned = bucket_entries(named, plan.dense, plan.bucket_cap_mb)
-        require_same_buckets(topology.world, [signature(entries) for _, entries in planned])
-        self.buckets: List[_ParameterBucket] = []
-        for index, (kind, entries) in enumerate(planned):
-            # powersgd's matrices are the layers'.
-            shapes = {"shapes": [tuple(p.shape) for _, p in entries]} if reduction.algorithm == "powersgd" else {}
-            reducer = self._engine.make(topology, sum(p.numel() for _, p in entries), DTYPES[entries[0][1].dtype],
-                                        dense=kind == "dense", **shapes)
-            self.buckets.append(_ParameterBucket(index, entries, reducer))
+        self.buckets: List[_ParameterBucket] = [
+            _ParameterBucket(index, entries, reducer)
+            for index, (entries, reducer) in enumerate(self._engine.make_buckets(topology, named, plan.dense,
+                                                                                 plan.bucket_cap_mb))
+        ]
         self._comm = topology.world.Dup()  # this class's own small collectives, never mixed with the allreducers'
         self._flags = np.zeros(1, dtype=np.int32)
         self._problems = 0
@@ -374,11 +370,7 @@ class _DistributedOptimizer(EngineOwner):
         own."""
         self._refuse_in_flight("state_dict()")
         state = super().state_dict()
-        mine = {}
-        for i, bucket in enumerate(self.buckets):
-            span, values = bucket.reducer.residual_state(copy=False)  # the division below makes the copy
-            mine[f"bucket{i}"] = (torch.tensor([int(span[0]), int(span[1])], dtype=torch.int64),
-                                  torch.from_numpy(values / self._engine.scale))
+        mine = bucket_residual_entries([bucket.reducer for bucket in self.buckets], self._engine.scale)
         state["spar_comm"] = {
             "format": STATE_FORMAT,
             "world_size": self._comm.size,

@@ -73,16 +73,18 @@ def own_residuals(residuals: Any, rank: int, world_size: int, what: str) -> Tupl
                   f"rank's: {SCALABLE_WAYS}")
 
 
-def format_problem(saved: Any, fmt: int, world_size: int, what: str, made_by: str) -> Optional[str]:
+def format_problem(saved: Any, fmt: int, world_size: int, what: str, made_by: str,
+                   other_world: str = OTHER_WORLD) -> Optional[str]:
     """Why ``saved`` is no state of format ``fmt`` saved on ``world_size``
-    ranks, or None. A format that no release reads is refused by name."""
+    ranks, or None. A format that no release reads is refused by name;
+    ``other_world`` says what to do with a state of another world size."""
     if not isinstance(saved, Mapping) or "format" not in saved:
         return f"{what} has no spar_comm entry of format {fmt} (was it saved by {made_by}?)"
     if saved["format"] != fmt:
         return (f"{what} is of format {saved['format']!r}, which this version does not read: it reads format {fmt} "
                 f"(saved by {made_by})")
     if saved.get("world_size") != world_size:
-        return f"{what} was saved by {saved.get('world_size')} ranks; this job has {world_size}: {OTHER_WORLD}"
+        return f"{what} was saved by {saved.get('world_size')} ranks; this job has {world_size}: {other_world}"
     return None
 
 
@@ -94,16 +96,36 @@ def optimizer_residuals(saved: Any, rank: int, world_size: int, signature: List)
                              "a DistributedOptimizer's state_dict()")
     if problem is not None:
         return [], problem
+    return bucket_residuals(saved, rank, world_size, signature, "the state_dict")
+
+
+def bucket_residual_entries(reducers: List[Any], scale: float) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's residual of each bucket, ``bucket{i}`` -> a ``(span, values)``
+    tuple of tensors in the gradients' own units (``scale``: the loss scale
+    the residuals are in), as ``bucket_residuals`` reads them."""
+    mine = {}
+    for i, reducer in enumerate(reducers):
+        span, values = reducer.residual_state(copy=False)  # the division below makes the copy
+        mine[f"bucket{i}"] = (torch.tensor([int(span[0]), int(span[1])], dtype=torch.int64),
+                              torch.from_numpy(values / scale))
+    return mine
+
+
+def bucket_residuals(saved: Mapping[str, Any], rank: int, world_size: int, signature: List,
+                     what: str) -> Tuple[List, Optional[str]]:
+    """This rank's residuals, ``((lo, hi), values)`` a bucket, from a saved
+    state of buckets (its ``buckets`` signature and ``residuals`` by rank, as
+    ``bucket_residual_entries`` wrote them), or why they cannot be loaded."""
     theirs = [[tuple((n, tuple(s), d)) for n, s, d in bucket] for bucket in saved.get("buckets", [])]
     if theirs != [[tuple(e) for e in bucket] for bucket in signature]:
         if len(theirs) != len(signature):
-            return [], f"the state_dict has {len(theirs)} gradient buckets; this optimizer has {len(signature)}"
-        return [], f"the state_dict's gradient buckets differ: {first_difference(flat(signature), flat(theirs))}"
-    buckets, problem = own_residuals(saved.get("residuals"), rank, world_size, "the state_dict")
+            return [], f"{what} has {len(theirs)} buckets; this one has {len(signature)}"
+        return [], f"{what}'s buckets differ: {first_difference(flat(signature), flat(theirs))}"
+    buckets, problem = own_residuals(saved.get("residuals"), rank, world_size, what)
     if problem is not None:
         return [], problem
     if not isinstance(buckets, dict) or sorted(buckets) != sorted(f"bucket{i}" for i in range(len(signature))):
-        return [], f"the state_dict's residuals of this rank are not {len(signature)} buckets (bucket0, ...)"
+        return [], f"{what}'s residuals of this rank are not {len(signature)} buckets (bucket0, ...)"
     out = []
     for i in range(len(signature)):
         try:
@@ -114,7 +136,7 @@ def optimizer_residuals(saved: Any, rank: int, world_size: int, signature: List)
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            return [], f"the state_dict's residual of this rank, bucket {i}, is not finite values for its span"
+            return [], f"{what}'s residual of this rank, bucket {i}, is not finite values for its span"
         out.append(((lo, hi), values.detach().cpu().numpy()))
     return out, None
 

@@ -1,0 +1,390 @@
+"""The outer loop of local-step training (DiLoCo, SparseLoCo) around the
+user's own optimizer.
+
+    outer = sct.OuterLoop(model.named_parameters(), every=30, algorithm="hitopk", density=0.02)
+    for batch in data:
+        loss(model, batch).backward()
+        inner.step(); inner.zero_grad()      # the user's optimizer, each rank on its own
+        outer.step()                         # every 30th call: the ranks synchronise
+
+Each rank takes ``every`` inner steps alone. Then each bucket's
+pseudo-gradient, the change of its weights since the outer step began, is
+reduced across ranks by the bucket's allreducer (error feedback keeping what
+a sparse one left out), and the outer optimizer (``spar_comm/outer.py``:
+Nesterov as DiLoCo, or error feedback alone as SparseLoCo) applies the mean
+to the weights the step began from, which every rank then takes: the same
+bits everywhere. The buckets, their allreducers, ``auto``'s pricing and the
+non-finite rule are the torch engine's (``engine.py``), as for
+``DistributedOptimizer``; the reductions run on the caller's thread, in
+bucket order, once every ``every`` calls.
+"""
+from __future__ import annotations
+
+import hashlib
+import numbers
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..collectives import AUTO, Allreducer
+from ..consensus import raise_if_any, require_same
+from ..errors import SparCommError
+from ..outer import OuterSettings, OuterStep, outer_defaults
+from ..topology import Topology
+from . import buckets
+from .broadcast import broadcast_parameters
+from .engine import Engine, EngineOwner, reduction_of
+from .state import (bucket_residual_entries, bucket_residuals, choice_problem, format_problem, own_residuals,
+                    rank_key)
+from .streams import as_tensor, streams_for
+from .world import job_comm, require_job_world
+
+__all__ = ["OuterLoop", "OUTER_STATE_FORMAT"]
+
+#: ``OuterLoop.state_dict()["format"]``: the outer state every rank holds
+#: alike (``start`` and ``velocity``, ``bucket{i}`` a flat tensor), the calls
+#: since the last outer step, the density, and this rank's own under its
+#: rank's key: ``residuals["rank{r}"]["bucket{i}"]`` a ``(span, values)``
+#: tuple, and ``local["rank{r}"]`` its weights between two outer steps (a
+#: tuple of flat tensors, one a bucket; empty right after an outer step).
+OUTER_STATE_FORMAT = 1
+
+#: Why a state saved on another number of ranks is refused.
+OUTER_OTHER_WORLD = (
+    "the outer loop resumes on the number of ranks that saved it (each rank's residual covers its span of a "
+    "bucket, and the spans follow the number of ranks; between two outer steps each rank's weights are its own). "
+    "Resume on that many ranks, or save right after an outer step and start a fresh OuterLoop on the new world "
+    "from the saved weights (the residuals are then lost)"
+)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def outer_problem(every: Any, lr: Any, momentum: Any, nesterov: Any) -> Optional[str]:
+    """Why the outer settings cannot run, or None (``OuterSettings.problem``,
+    after the types: ``None`` for ``lr`` and ``momentum`` is each bucket's default)."""
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral):
+        return f"the outer loop's period (every=) must be an integer >= 1, got {every!r}"
+    for name, value in (("lr", lr), ("momentum", momentum)):
+        if value is not None and not _number(value):
+            return f"the outer {name} must be a number or None (the default), got {value!r}"
+    if not isinstance(nesterov, bool):
+        return f"nesterov must be True or False, got {nesterov!r}"
+    default_lr, default_momentum = outer_defaults(sparse=False)
+    return OuterSettings(int(every), default_lr if lr is None else float(lr),
+                         default_momentum if momentum is None else float(momentum), nesterov).problem()
+
+
+def named_tensors(named: Any) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[str]]:
+    """(name, parameter) pairs from ``named_parameters()`` or ``parameters()``
+    (named ``param.<i>``), or why not."""
+    if isinstance(named, torch.nn.Module):
+        named = named.named_parameters()
+    try:
+        items = list(named)
+    except TypeError:
+        return [], f"OuterLoop takes model.named_parameters() or model.parameters(), got {type(named).__name__}"
+    pairs = [(f"param.{i}", p) if isinstance(p, torch.Tensor) else tuple(p) for i, p in enumerate(items)]
+    if not all(len(pair) == 2 and isinstance(pair[1], torch.Tensor) for pair in pairs):
+        return [], "OuterLoop takes model.named_parameters() or model.parameters(): (name, tensor) pairs or tensors"
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        return [], "named_parameters has repeated names"
+    return pairs, None
+
+
+class _OuterBucket:
+    """Parameters synchronised together: their flat buffer (where the
+    allreducer reads the pseudo-gradient), its allreducer, and the outer
+    step's state of the bucket (``OuterStep``: the start and the velocity)."""
+
+    def __init__(self, entries: List[Tuple[str, torch.Tensor]], reducer: Allreducer, settings: OuterSettings):
+        self.names = [name for name, _ in entries]
+        self.params = [p for _, p in entries]
+        self.reducer = reducer
+        self.flat = as_tensor(reducer.buffer)
+        self.views: List[torch.Tensor] = []
+        start = 0
+        for p in self.params:
+            self.views.append(self.flat[start : start + p.numel()].view(p.shape))
+            start += p.numel()
+        self.gather()
+        self.outer = OuterStep(settings, self.flat)  # a copy: the start, alike on every rank after the broadcast
+
+    def signature(self) -> List[Tuple[str, Tuple[int, ...], str]]:
+        return buckets.signature(zip(self.names, self.params))
+
+    def gather(self) -> None:
+        """This rank's weights into the flat buffer."""
+        for view, p in zip(self.views, self.params):
+            view.copy_(p.detach())
+
+    def scatter(self, flat: torch.Tensor) -> None:
+        """Set the parameters from a flat vector of the bucket."""
+        start = 0
+        for p in self.params:
+            p.detach().copy_(flat[start : start + p.numel()].view(p.shape))
+            start += p.numel()
+
+    def pseudo_gradient(self) -> None:
+        """``start - weights`` into the flat buffer (``OuterStep.pseudo_gradient``, in place)."""
+        self.gather()
+        torch.sub(self.outer.start, self.flat, out=self.flat)
+
+
+class OuterLoop(EngineOwner):
+    """Local steps with an outer step every ``every`` calls of ``step()``
+    (DiLoCo's, or SparseLoCo's with a sparse allreducer): see the module's
+    docstring. One object holds the whole state (``state_dict()``).
+
+    Args:
+        named_parameters: ``model.named_parameters()`` (or ``parameters()``,
+            named ``param.<i>``): the parameters the ranks synchronise, those
+            that take gradients, in buckets of about ``bucket_cap_mb``.
+            Buffers (BatchNorm's statistics) stay each rank's own.
+        every: the inner steps between two outer steps (DiLoCo's H).
+        algorithm, density, selector, values, indices, error_feedback: the
+            pseudo-gradient's allreducer, as for ``spar_comm.make_allreducer``
+            (``options`` too: ``max_density``, ``powersgd``'s ``rank``), one a
+            bucket; ``auto`` prices per bucket. Set ``outer.density`` between
+            outer steps, up to ``max_density``, alike on every rank.
+        lr, momentum, nesterov: the outer optimizer. None takes each bucket's
+            default (``spar_comm.outer.outer_defaults``): DiLoCo's Nesterov,
+            lr 0.7 and momentum 0.9, for a dense allreducer (with a value codec
+            too); SparseLoCo's error feedback alone, lr 1 and momentum 0, for
+            a sparse one.
+        bucket_cap_mb, dense: the buckets, as for ``DistributedOptimizer``
+            (``dense``: names or tensors never sparsified, DiLoCo's defaults).
+        non_finite: a NaN or Inf in any rank's pseudo-gradient:
+            ``"propagate"`` makes its bucket's mean NaN on every rank, applied
+            as it is (the weights and the outer state of the bucket NaN alike,
+            as a NaN mean gradient makes them); ``"raise"``:
+            NonFiniteGradientError from ``step()`` on every rank, the outer
+            step skipped: every rank back at the weights the period began from,
+            residuals as they were.
+        topology, process_group, transport: the ranks, as for
+            ``DistributedOptimizer``: torch.distributed's group when it is
+            initialised, else MPI's world.
+
+    Raises:
+        ConfigError: on every rank, naming the problem, for bad or disagreeing
+            settings (``every`` below 1, an ``lr`` not above 0, a momentum
+            outside [0, 1)), models that differ, or ranks that are not the
+            torch job's.
+
+    Example:
+        >>> outer = OuterLoop(model.named_parameters(), every=30, algorithm="hitopk", density=0.02, values="int8")
+        >>> loss.backward(); inner.step(); inner.zero_grad(); outer.step()
+
+    Collective: every rank constructs it with the same model and calls
+    ``step()`` as often. Construction gives every rank rank 0's parameters.
+    """
+
+    def __init__(self, named_parameters: Iterable[Any], every: int = 30, *, algorithm: str = "hitopk",
+                 density: float = 0.02, lr: Optional[float] = None, momentum: Optional[float] = None,
+                 nesterov: bool = True, selector: str = "mstopk", values: Optional[str] = None,
+                 indices: Optional[str] = None, error_feedback: bool = True, non_finite: str = "propagate",
+                 bucket_cap_mb: float = 25, dense: Sequence[Any] = (), topology: Optional[Topology] = None,
+                 process_group: Any = None, transport: Optional[str] = None, **options: Any):
+        comm = topology.world if topology is not None else job_comm(process_group, transport)
+        require_job_world(comm, "spar_comm.torch.OuterLoop")
+        reduction = reduction_of(algorithm, non_finite, options, density=density, selector=selector,
+                                 error_feedback=error_feedback, shared_buffer=True, values=values, indices=indices)
+        given, problem = named_tensors(named_parameters)
+        named = [(name, p) for name, p in given if p.requires_grad]
+        problem = problem or outer_problem(every, lr, momentum, nesterov) or reduction.problem()
+        problem = problem or buckets.settings_problem(named, tuple(dense), bucket_cap_mb, 1)
+        raise_if_any(comm, problem)
+        dense_names = [d if isinstance(d, str) else f"tensor{tuple(d.shape)}" for d in dense]
+        plan = {"every": int(every), "lr": lr, "momentum": momentum, "nesterov": nesterov,
+                "bucket_cap_mb": bucket_cap_mb, "dense": dense_names}
+        require_same(comm, "OuterLoop settings", {**reduction.agreed(), **plan})
+        if topology is None:
+            topology = Topology(comm, device="gpu" if named[0][1].device.type == "cuda" else "cpu")
+        raise_if_any(topology.world, buckets.device_problem(named, topology.memory))
+        broadcast_parameters(given, comm=topology.world)  # every rank starts from rank 0's weights
+        self.reduction, self.topology, self.plan = reduction, topology, plan
+        self._comm = topology.world
+        self._engine = Engine(reduction, topology.world)
+        self._streams = streams_for(topology.memory)
+        self.buckets: List[_OuterBucket] = []
+        with torch.no_grad():
+            for entries, reducer in self._engine.make_buckets(topology, named, tuple(dense), bucket_cap_mb):
+                default_lr, default_momentum = outer_defaults(reducer.sparse)
+                settings = OuterSettings(int(every), float(default_lr if lr is None else lr),
+                                         float(default_momentum if momentum is None else momentum), nesterov)
+                self.buckets.append(_OuterBucket(entries, reducer, settings))
+        self.every = int(every)
+        self.inner_steps = 0  # calls of step() since the last outer step
+        self.outer_steps = 0
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Count an inner step; on every ``every``-th, take the outer step
+        (``synchronize``). True where it did. Call it after the inner
+        optimizer's ``step()``, as often on every rank."""
+        self.inner_steps += 1
+        if not self.buckets[0].outer.due(self.inner_steps):
+            return False
+        self.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        """The outer step now, whatever the count (at the end of training, or
+        before an evaluation that needs every rank alike): each bucket's
+        pseudo-gradient reduced in bucket order, then the outer optimizer
+        applied to the start, which every rank's parameters become. Collective.
+
+        Raises:
+            NonFiniteGradientError: under ``non_finite="raise"``, on every rank
+                alike; SparCommError for any other reduction refused on every
+                rank (a density past ``max_density``). The outer step is then
+                skipped: every rank's weights go back to the start of the
+                period, residuals as they were."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.pseudo_gradient()
+            produced = self._streams.produced()
+            self._engine.begin_step([bucket.reducer for bucket in self.buckets])
+            try:
+                with self._streams.communicating([] if produced is None else [produced]):
+                    for bucket in self.buckets:
+                        self._engine.reduce(bucket.reducer, bucket.flat, bucket.reducer.buffer)
+                    finished = self._streams.finished()
+            except SparCommError:  # raised on every rank alike
+                self._engine.end_step()  # the residuals as the step found them, where it overflowed
+                for bucket in self.buckets:
+                    bucket.scatter(bucket.outer.start)
+                self.inner_steps = 0
+                raise
+            self._streams.consume(finished)
+            self._engine.end_step()
+            for bucket in self.buckets:
+                bucket.outer.apply(bucket.flat, bucket.flat)  # the reduced pseudo-gradient, then the new start
+                bucket.scatter(bucket.flat)
+        self.inner_steps = 0
+        self.outer_steps += 1
+
+    @property
+    def settings(self) -> List[OuterSettings]:
+        """Each bucket's outer settings (the defaults follow its allreducer)."""
+        return [bucket.outer.settings for bucket in self.buckets]
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The outer loop's state: its format, the world size, the settings and
+        bucket layout, the density, the calls since the last outer step and
+        the outer steps taken; the outer optimizer's ``start`` and
+        ``velocity`` (``bucket{i}``: the tensors themselves, alike on every
+        rank: save before the next outer step); and this rank's own under
+        its rank's key: ``residuals["rank{r}"]`` (as
+        ``DistributedOptimizer``'s) and ``local["rank{r}"]``, its weights
+        between two outer steps (copies; empty right after an outer step),
+        which ``load_state_dict`` gives back to the parameters.
+
+        Local. Each rank saves and loads its own: ``torch.save`` to a file a
+        rank, or ``torch.distributed.checkpoint`` (``sct.save_checkpoint``) of
+        every rank's state, which keeps each rank's keys apart. Save the
+        inner optimizer's state beside it."""
+        with torch.no_grad():
+            local: Tuple[torch.Tensor, ...] = ()
+            if self.inner_steps:
+                local = tuple(torch.cat([p.detach().reshape(-1) for p in bucket.params]).clone()
+                              for bucket in self.buckets)
+        return {
+            "format": OUTER_STATE_FORMAT,
+            "world_size": self._comm.size,
+            "settings": {**self.reduction.to_dict(), **self.plan},
+            "buckets": [bucket.signature() for bucket in self.buckets],
+            "algorithms": [bucket.reducer.name for bucket in self.buckets],
+            "density": self.density,
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "start": {f"bucket{i}": bucket.outer.start for i, bucket in enumerate(self.buckets)},
+            "velocity": {f"bucket{i}": bucket.outer.velocity for i, bucket in enumerate(self.buckets)},
+            "residuals": {rank_key(self._comm.rank): bucket_residual_entries(
+                [bucket.reducer for bucket in self.buckets], self._engine.scale)},
+            "local": {rank_key(self._comm.rank): local},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what this rank's ``state_dict()`` returned, in a job of the
+        same number of ranks and buckets: the outer state, this rank's
+        residuals, the counts and the density, and the parameters (this
+        rank's weights where it was saved between two outer steps, else the
+        start). A resume goes on to the same bits as a run that never stopped
+        (with the inner optimizer's state loaded too).
+
+        Raises:
+            ConfigError: on every rank, before anything is loaded, where any
+                rank's state does not fit: another format (named), another
+                number of ranks (refused: see ``OUTER_OTHER_WORLD``), other
+                buckets, another rank's residuals, or outer states that differ
+                between ranks. Collective."""
+        problem = format_problem(state, OUTER_STATE_FORMAT, self._comm.size, "the outer loop's state",
+                                 "spar_comm.torch.OuterLoop.state_dict()", OUTER_OTHER_WORLD)
+        residuals: List = []
+        if problem is None:
+            residuals, problem = bucket_residuals(state, self._comm.rank, self._comm.size,
+                                                  [bucket.signature() for bucket in self.buckets],
+                                                  "the outer loop's state")
+        if problem is None and self.reduction.algorithm == AUTO:
+            problem = choice_problem(state.get("algorithms"), [bucket.reducer.name for bucket in self.buckets])
+        outer: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        local: Any = ()
+        if problem is None:
+            outer, local, problem = self._outer_state(state)
+        digest = None
+        if problem is None:  # what every rank must hold alike after the load
+            sha = hashlib.sha256(repr((state["inner_steps"], float(state["density"]))).encode())
+            for tensors in outer:
+                for t in tensors:
+                    sha.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest = sha.hexdigest()
+        raise_if_any(self._comm, problem)
+        if len(set(self._comm.allgather(digest))) > 1:
+            raise_if_any(self._comm, "the ranks loaded different outer states (start, velocity, counts or density): "
+                                     "each rank must load a state saved by the same job at the same step")
+        for bucket, (span, values) in zip(self.buckets, residuals):
+            if bucket.reducer.keeps_residual:
+                bucket.reducer.load_residual_state(span, np.asarray(values) * self._engine.scale)
+        with torch.no_grad():
+            for i, (bucket, (start, velocity)) in enumerate(zip(self.buckets, outer)):
+                bucket.outer.start.copy_(start)
+                bucket.outer.velocity.copy_(velocity)
+                bucket.scatter(local[i] if local else bucket.outer.start)
+        self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state.get("outer_steps", 0))
+        self.density = float(state["density"])
+
+    def _outer_state(self, state: Dict[str, Any]) -> Tuple[List, Any, Optional[str]]:
+        """The saved (start, velocity) of each bucket and this rank's local
+        weights, checked against the buckets, or why not."""
+        what = "the outer loop's state"
+        counts = state.get("inner_steps"), state.get("density")
+        if not isinstance(counts[0], int) or not 0 <= counts[0] < self.every or not _number(counts[1]):
+            return [], (), (f"{what}'s inner_steps ({counts[0]!r}) must be an integer in [0, every={self.every}) "
+                            f"and its density ({counts[1]!r}) a number")
+        outer = []
+        for i, bucket in enumerate(self.buckets):
+            pair = []
+            for name in ("start", "velocity"):
+                saved = state.get(name)
+                tensor = saved.get(f"bucket{i}") if isinstance(saved, dict) else None
+                if not isinstance(tensor, torch.Tensor) or tensor.shape != bucket.outer.start.shape:
+                    return [], (), f"{what}'s {name} of bucket {i} is not a tensor of its {bucket.flat.numel()} values"
+                pair.append(tensor)
+            outer.append(tuple(pair))
+        local, problem = own_residuals(state.get("local"), self._comm.rank, self._comm.size, f"{what}'s local weights")
+        if problem is not None:
+            return [], (), problem
+        sizes = [bucket.flat.numel() for bucket in self.buckets]
+        fits = isinstance(local, (tuple, list)) and (
+            not local or [t.numel() if isinstance(t, torch.Tensor) else -1 for t in local] == sizes)
+        if not fits:
+            return [], (), f"{what}'s local weights of this rank are neither empty nor {len(sizes)} flat tensors"
+        if bool(local) != bool(counts[0]):
+            return [], (), f"{what} holds local weights only between two outer steps (inner_steps {counts[0]})"
+        return outer, local, None
