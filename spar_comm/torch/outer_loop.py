@@ -30,7 +30,7 @@ import torch
 from ..collectives import AUTO, Allreducer
 from ..consensus import raise_if_any, require_same
 from ..errors import SparCommError
-from ..outer import OuterSettings, OuterStep, outer_defaults
+from ..outer import OuterSettings, OuterStep
 from ..topology import Topology
 from . import buckets
 from .broadcast import broadcast_parameters
@@ -64,18 +64,15 @@ def _number(value: Any) -> bool:
 
 
 def outer_problem(every: Any, lr: Any, momentum: Any, nesterov: Any) -> Optional[str]:
-    """Why the outer settings cannot run, or None (``OuterSettings.problem``,
-    after the types: ``None`` for ``lr`` and ``momentum`` is each bucket's default)."""
+    """Why the outer settings cannot run, or None (``OuterSettings.problem``, after the types)."""
     if isinstance(every, bool) or not isinstance(every, numbers.Integral):
         return f"the outer loop's period (every=) must be an integer >= 1, got {every!r}"
     for name, value in (("lr", lr), ("momentum", momentum)):
-        if value is not None and not _number(value):
-            return f"the outer {name} must be a number or None (the default), got {value!r}"
+        if not _number(value):
+            return f"the outer {name} must be a number, got {value!r}"
     if not isinstance(nesterov, bool):
         return f"nesterov must be True or False, got {nesterov!r}"
-    default_lr, default_momentum = outer_defaults(sparse=False)
-    return OuterSettings(int(every), default_lr if lr is None else float(lr),
-                         default_momentum if momentum is None else float(momentum), nesterov).problem()
+    return OuterSettings(int(every), float(lr), float(momentum), nesterov).problem()
 
 
 def named_tensors(named: Any) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[str]]:
@@ -151,13 +148,13 @@ class OuterLoop(EngineOwner):
             (``options`` too: ``max_density``, ``powersgd``'s ``rank``), one a
             bucket; ``auto`` prices per bucket. Set ``outer.density`` between
             outer steps, up to ``max_density``, alike on every rank.
-        lr, momentum, nesterov: the outer optimizer. None takes each bucket's
-            default (``spar_comm.outer.outer_defaults``): DiLoCo's Nesterov,
-            lr 0.7 and momentum 0.9, for a dense allreducer (with a value codec
-            too); SparseLoCo's error feedback alone, lr 1 and momentum 0, for
-            a sparse one.
+        lr, momentum, nesterov: the outer optimizer (``spar_comm/outer.py``).
+            By default SparseLoCo's error feedback alone, lr 1 and no momentum
+            (for a dense allreducer: the mean of the ranks' weights); DiLoCo
+            takes lr 0.7 and Nesterov momentum 0.9, for periods of hundreds
+            of steps.
         bucket_cap_mb, dense: the buckets, as for ``DistributedOptimizer``
-            (``dense``: names or tensors never sparsified, DiLoCo's defaults).
+            (``dense``: names or tensors never sparsified).
         non_finite: a NaN or Inf in any rank's pseudo-gradient:
             ``"propagate"`` makes its bucket's mean NaN on every rank, applied
             as it is (the weights and the outer state of the bucket NaN alike,
@@ -184,7 +181,7 @@ class OuterLoop(EngineOwner):
     """
 
     def __init__(self, named_parameters: Iterable[Any], every: int = 30, *, algorithm: str = "hitopk",
-                 density: float = 0.02, lr: Optional[float] = None, momentum: Optional[float] = None,
+                 density: float = 0.02, lr: float = 1.0, momentum: float = 0.0,
                  nesterov: bool = True, selector: str = "mstopk", values: Optional[str] = None,
                  indices: Optional[str] = None, error_feedback: bool = True, non_finite: str = "propagate",
                  bucket_cap_mb: float = 25, dense: Sequence[Any] = (), topology: Optional[Topology] = None,
@@ -211,12 +208,10 @@ class OuterLoop(EngineOwner):
         self._engine = Engine(reduction, topology.world)
         self._streams = streams_for(topology.memory)
         self.buckets: List[_OuterBucket] = []
+        self.settings = OuterSettings(int(every), float(lr), float(momentum), nesterov)
         with torch.no_grad():
             for entries, reducer in self._engine.make_buckets(topology, named, tuple(dense), bucket_cap_mb):
-                default_lr, default_momentum = outer_defaults(reducer.sparse)
-                settings = OuterSettings(int(every), float(default_lr if lr is None else lr),
-                                         float(default_momentum if momentum is None else momentum), nesterov)
-                self.buckets.append(_OuterBucket(entries, reducer, settings))
+                self.buckets.append(_OuterBucket(entries, reducer, self.settings))
         self.every = int(every)
         self.inner_steps = 0  # calls of step() since the last outer step
         self.outer_steps = 0
@@ -267,11 +262,6 @@ class OuterLoop(EngineOwner):
                 bucket.scatter(bucket.flat)
         self.inner_steps = 0
         self.outer_steps += 1
-
-    @property
-    def settings(self) -> List[OuterSettings]:
-        """Each bucket's outer settings (the defaults follow its allreducer)."""
-        return [bucket.outer.settings for bucket in self.buckets]
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
