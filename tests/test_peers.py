@@ -116,6 +116,15 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
     assert list(phases) == list(peers.PHASES) and phases["select"] > 0 and min(phases.values()) >= 0, phases
     assert "phases_ms" not in ok["ddp"] and "where spar_comm's communication went" in run.stdout
     assert 0 < ok["ddp_powersgd_r1"]["bytes_inter"] < ok["ddp_powersgd_r4"]["bytes_inter"] < ok["ddp"]["bytes_inter"]
+    # The sharded modes, one rank a node. torch's HSDP all-reduces the whole
+    # model between the two (its shards are whole), as DDP; FSDP over both
+    # ranks sends half of every group two or three times (two all-gathers and
+    # a reduce-scatter; the root's parameters gathered once), dim 0 padded to even.
+    parameters = document["parameters"]
+    assert ok["hsdp"]["bytes_inter"] == ok["ddp"]["bytes_inter"] and ok["fsdp_per_node"]["bytes_inter"] == 0
+    assert 4 * parameters <= ok["fsdp"]["bytes_inter"] <= 6 * 1.01 * parameters, ok["fsdp"]
+    assert 0 < ok["hsdp_spar_topka_int8"]["bytes_inter"] < ok["hsdp_spar_topka"]["bytes_inter"] < parameters / 10
+    assert ok["hsdp_spar_topka"]["note"] == f"residual {parameters:,} elements a rank, its shard {parameters:,}"
     assert "failed" in run.stdout and "spar_hitopk" in run.stdout and png.stat().st_size > 0
 
 

@@ -120,8 +120,9 @@ def test_hsdp_with_the_hook_is_torchs_hsdp_conserves_and_refuses_a_wrong_mesh(no
     """tests/torchrun_fsdp.py on emulated nodes: FSDP2 sharded inside each
     node, reduced between nodes by hsdp_hook. ``dense`` ends on torch's own
     HSDP (2-D mesh) with force-sum, accumulation and mixed precision;
-    ``topka``, ``gtopk``, int8 values and ``auto`` conserve per shard with a
-    shard's residual and the same shards on every replica; an Inf is NaN
+    ``topka``, ``gtopk``, int8 values and ``auto`` (dense for a small module,
+    topka for a large one) conserve per shard with a shard's residual and the
+    same shards on every replica; an Inf is NaN
     everywhere with the residuals kept; a save resumes to the bit; a wrong
     mesh and the algorithms that do not apply are refused alike. The 2x2
     launch saves into ``hsdp_checkpoint``; 3x2 resumes there with each

@@ -14,7 +14,7 @@ hook, a codec's rounding kept in the residual), leave every replica the same
 shards and keep a residual of a shard's elements (gradients chosen to sum
 exactly, so that where the replicas and the node's ranks are powers of two
 the check is to the bit; elsewhere to float32's rounding of the node means);
-``auto`` chooses among dense, topka and gtopk alike on every rank;
+``auto`` chooses for each module alike on every rank (dense for a small one, topka for a large one);
 ``hitopk`` runs ``topka`` and ``hier_dense`` runs ``dense``; an Inf on one
 rank is a NaN group on every rank with the residuals kept; a save resumes to
 the same bits, and on 3 nodes of 2 a save of 2 nodes of 2 (the launches'
@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import spar_comm.torch as sct
 from spar_comm import ConfigError
+from spar_comm.costmodel import calibrate
+from spar_comm.costmodel.auto import ENV_CALIBRATION
+from spar_comm.costmodel.machine import CPU
 from torchrun_helpers import report, say
 
 STEPS = 3
@@ -71,21 +74,22 @@ class Pair(torch.nn.Module):
 
 
 class Chosen(torch.nn.Module):
-    """Net's shapes with gradients chosen: multiples of 2**-6 that sum exactly."""
+    """Net's shapes (or a ``first`` pair of other ones) with gradients chosen:
+    multiples of 2**-6 that sum exactly."""
 
-    def __init__(self):
+    def __init__(self, first: Tuple[int, int] = (7, 5)):
         super().__init__()
-        self.first, self.second = Pair(7, 5), Pair(3, 7)
+        self.first, self.second = Pair(*first), Pair(3, 7)
         self.gain = torch.nn.Parameter(torch.zeros(3))
 
     def forward(self, grads):
         return self.first(*grads[:2]) + self.second(*grads[2:4]) + (self.gain * grads[4]).sum()
 
 
-def chosen_grads(step: int) -> List[torch.Tensor]:
+def chosen_grads(step: int, first: Tuple[int, int] = (7, 5)) -> List[torch.Tensor]:
     rng = np.random.default_rng([7, step, dist.get_rank()])
     return [torch.from_numpy(rng.integers(-(2**10), 2**10, shape) * 2.0**-6).float()
-            for shape in [(7, 5), (7,), (3, 7), (3,), (3,)]]
+            for shape in [first, first[:1], (3, 7), (3,), (3,)]]
 
 
 def sharded(mesh, mp: Optional[MixedPrecisionPolicy] = None, factor: Optional[float] = None,
@@ -170,19 +174,20 @@ def native_and_hook(mesh, failures: list, name: str, atol: float = 1e-6, transpo
         failures.append(f"{name}: the hook was called on micro-steps without gradient sync")
 
 
-def conserves(mesh, failures: list, algorithm: str, atol: float = 1e-5, **settings) -> Dict[str, str]:
+def conserves(mesh, failures: list, algorithm: str, atol: float = 1e-5, first: Tuple[int, int] = (7, 5),
+              density: float = 0.3, **settings) -> Dict[str, str]:
     """Conservation per shard (replicas times what was applied, plus the
     replicas' residuals, is the sum of the node means handed to the hook:
     a codec's rounding stays in the residual), the same shards on every
     replica, a shard's residual. Returns the algorithm each module's
     allreducer runs."""
-    model = sharded(mesh["shard"], model=Chosen())
-    state = sct.hsdp_hook(model, algorithm, density=0.3, mesh=mesh, **settings)
+    model = sharded(mesh["shard"], model=Chosen(first))
+    state = sct.hsdp_hook(model, algorithm, density=density, mesh=mesh, **settings)
     calls = recorded(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(STEPS):
         optimizer.zero_grad()
-        model(chosen_grads(step)).backward()
+        model(chosen_grads(step, first)).backward()
         optimizer.step()
     replicas = mesh["rep"].get_group()
     r, g = mesh["rep"].size(), mesh["shard"].size()
@@ -215,10 +220,20 @@ def conserves(mesh, failures: list, algorithm: str, atol: float = 1e-5, **settin
 
 
 def chooses(mesh, failures: list) -> None:
-    """``auto``: each module's choice among dense, topka and gtopk, the same
-    on every rank, and its reduction conserves."""
-    chosen = conserves(mesh, failures, "auto")
-    if not set(chosen.values()) <= {"dense", "topka", "gtopk"} or len(chosen) != 3:
+    """``auto``: each module's own choice among dense, topka and gtopk, the
+    same on every rank, and its reduction conserves. Priced from a
+    calibration of 1 Gbit/s between nodes (no link timed, so the choice is
+    known), at density 0.01: dense for the shards of a few values, topka for
+    the first module's of 512 x 256 (the cost model's crossover lies between)."""
+    calibration = os.path.join(tempfile.gettempdir(), f"spar_comm_fsdp_auto_{os.getpid()}.json")
+    calibrate.save(calibration, CPU.replace(beta_inter=8e-9), [], [])
+    os.environ[ENV_CALIBRATION] = calibration
+    try:
+        chosen = conserves(mesh, failures, "auto", first=(512, 256), density=0.01)
+    finally:
+        del os.environ[ENV_CALIBRATION]
+        os.remove(calibration)
+    if chosen != {"": "dense", "first": "topka", "second": "dense"}:
         failures.append(f"auto: chose {chosen}")
     if not same_on_all(chosen):
         failures.append(f"auto: the ranks chose differently ({chosen} here)")
