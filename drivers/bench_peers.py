@@ -8,7 +8,9 @@ spell of the machine hits all alike, and each round starts one mode later
 than the last, so that no mode always follows the same one (on a shared
 machine the mode that runs right after torch's peers is slowed). A step's
 time is the slowest rank's; figures are medians of the timed rounds after
-warm-up.
+warm-up, with means beside them: a local-step mode's median is its inner
+step, its mean counts the outer step every H rounds (time whole periods:
+--repeat a multiple of --sync-every). Bytes between nodes are means too.
 
   ddp                DistributedDataParallel on gloo
   ddp_fp16           DDP + fp16_compress_hook
@@ -27,6 +29,11 @@ warm-up.
   hsdp_spar_topka    FSDP2 across each node, its shards reduced between nodes by
                      spar_comm.torch.hsdp_hook (topka; _int8: with int8 values)
   fsdp_per_node      FSDP2 across each node, nothing between nodes: the sharded modes' floor
+  diloco             local steps of the workload's optimizer, an outer step every --sync-every
+                     (spar_comm.torch.OuterLoop): DiLoCo's Nesterov (lr 0.7, momentum 0.9) on the
+                     dense pseudo-gradient; _int8: in int8 blocks
+  local_hitopk       ... the sparse outer loop: hitopk at --outer-density with error feedback alone
+                     (SparseLoCo's lr 1, no momentum); _int8: with int8 values
   no_comm            the same step with no communication: the floor
 
 The sharded modes run in the rank's own process over torch.distributed's
@@ -145,6 +152,10 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, Callable[..., Workload]]:
                         help="seconds a peer's step may take before the peer is failed (default: %(default)s)")
     common.add_argument("--out", help="write the results as JSON here")
     common.add_argument("--plot", help="draw ms per step by mode into this PNG")
+    common.add_argument("--sync-every", type=positive_int, default=8, metavar="H",
+                        help="the local-step modes' period: an outer step every H steps (default: %(default)s)")
+    common.add_argument("--outer-density", type=density, default=None,
+                        help="the sparse local-step modes' share of the pseudo-gradient sent (default: --density)")
     common.add_argument("--inject-failure", choices=PEERS, metavar="MODE",
                         help="make this peer's process abort on the last rank in its first timed step, "
                              "to show that a failing peer is reported and blocks nothing")

@@ -86,7 +86,8 @@ def test_bench_peers_runs_its_modes_over_torch_under_torchrun(tmp_path):
 def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, tmp_path):
     out, png = tmp_path / "peers.json", tmp_path / "peers.png"
     run = run_driver("bench_peers.py", "gpt", "--tiny", "--batch-size", "2", "--ranks-per-node", "1",
-                     "--warmup", "2", "--repeat", "2", "--peer-timeout", "20", "--inject-failure", "ddp_fp16",
+                     "--warmup", "2", "--repeat", "2", "--sync-every", "2", "--peer-timeout", "20",
+                     "--inject-failure", "ddp_fp16",
                      "--out", out, "--plot", png, ranks=2, timeout=240)
     assert run.returncode == 0, run.stderr
     document = json.loads(out.read_text())
@@ -125,6 +126,11 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
     assert 4 * parameters <= ok["fsdp"]["bytes_inter"] <= 6 * 1.01 * parameters, ok["fsdp"]
     assert 0 < ok["hsdp_spar_topka_int8"]["bytes_inter"] < ok["hsdp_spar_topka"]["bytes_inter"] < parameters / 10
     assert ok["hsdp_spar_topka"]["note"] == f"residual {parameters:,} elements a rank, its shard {parameters:,}"
+    # The local-step modes synchronise in one of the two timed rounds: half
+    # of the dense sum's bytes a step for DiLoCo, less in int8 and sparse.
+    assert ok["diloco"]["bytes_inter"] == ok["spar_dense"]["bytes_inter"] / 2
+    assert 0 < ok["local_hitopk_int8"]["bytes_inter"] < ok["local_hitopk"]["bytes_inter"] < ok["diloco_int8"]["bytes_inter"]
+    assert "Nesterov, lr 0.7" in ok["diloco"]["note"] and "error feedback alone" in ok["local_hitopk"]["note"]
     assert "failed" in run.stdout and "spar_hitopk" in run.stdout and png.stat().st_size > 0
 
 

@@ -23,14 +23,14 @@ def title(model: str, parameters: int, layout: str, batch_size: int, settings: P
 def table(results: List[dict]) -> str:
     """The tables of ``measure``'s results, a row a mode; failed modes with their errors."""
     w = max(18, 2 + max(len(r["mode"]) for r in results))  # the mode column
-    lines = [f"{'mode':<{w}}{'ms/step':>10}{'x DDP':>8}{'MB between nodes':>18}  note"]
+    lines = [f"{'mode':<{w}}{'ms/step':>10}{'mean':>10}{'x DDP':>8}{'MB between nodes':>18}  note"]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"{r['mode']:<{w}}{r['status']:>10}{'':>8}{'':>18}  {r['error']}")
+            lines.append(f"{r['mode']:<{w}}{r['status']:>10}{'':>18}{'':>18}  {r['error']}")
             continue
         ratio = f"{r['ratio_to_ddp']:.2f}" if r.get("ratio_to_ddp") else "-"
         sent = f"{r['bytes_inter'] / 1e6:.4g}" if r["bytes_inter"] is not None else "unknown"
-        lines.append(f"{r['mode']:<{w}}{r['step_ms']:>10.1f}{ratio:>8}{sent:>18}  {r['note']}")
+        lines.append(f"{r['mode']:<{w}}{r['step_ms']:>10.1f}{r['step_ms_mean']:>10.1f}{ratio:>8}{sent:>18}  {r['note']}")
     timed = [r for r in results if "phases_ms" in r]
     if timed:
         lines += ["", "where spar_comm's communication went, ms (medians, each phase on its slowest rank):",

@@ -163,8 +163,9 @@ def measure(settings: PeerSettings, topology: Topology, work: Workload,
             results[mode].update(learning_curve(evaluations[mode], np.cumsum(slowest_seconds[m]), work,
                                                 settings.targets))
         if results[mode]["status"] == "ok":
-            bytes_inter = float(np.median(mean_sent[m]))
-            results[mode].update(step_ms=1e3 * float(np.median(slowest_seconds[m, settings.warmup:])),
+            bytes_inter = float(np.mean(mean_sent[m]))  # the mean: a local-step mode sends every H steps
+            timed = slowest_seconds[m, settings.warmup:]
+            results[mode].update(step_ms=1e3 * float(np.median(timed)), step_ms_mean=1e3 * float(np.mean(timed)),
                                  bytes_inter=None if np.isnan(bytes_inter) else bytes_inter,
                                  note=runners[mode].note)
             if not np.isnan(slowest_phases[m]).any():

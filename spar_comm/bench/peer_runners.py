@@ -18,7 +18,7 @@ from ..costmodel.peers import MIN_COMPRESSION_RATE
 from ..topology import Topology
 from ..torch.world import launched
 from .peer_fsdp import build_fsdp
-from .peers import OVER_TORCH, SHARDED, SPAR, SPINNING, Runner, PeerSettings, Workload, over_mpi, phases_of
+from .peers import OUTER, OVER_TORCH, SHARDED, SPAR, SPINNING, Runner, PeerSettings, Workload, over_mpi, phases_of
 
 
 def under_torchrun() -> bool:
@@ -64,6 +64,8 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, settings: PeerSet
         return Runner(replica, work.new_optimizer(replica.parameters()), lambda: 0.0)
     if mode in SHARDED:
         return build_fsdp(mode, replica, work, settings, over_torch())
+    if mode in OUTER:
+        return build_outer(mode, replica, work, settings, topology)
     if mode in OVER_TORCH:
         mode, topology = over_mpi(mode), over_torch()
     if mode == "spar_hook":
@@ -79,3 +81,37 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, settings: PeerSet
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
                   f"chose {chosen} ({opt.pricing.describe()})" if mode == "spar_auto" else "",
                   lambda: phases_of(opt), mode in SPINNING)
+
+
+class LocalSteps:
+    """The workload's optimizer taking each step alone, and the outer loop
+    counting it: what a local-step mode's ``step()`` and ``zero_grad()`` do."""
+
+    def __init__(self, inner: torch.optim.Optimizer, outer: sct.OuterLoop):
+        self.inner, self.outer = inner, outer
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> None:
+        self.inner.step()
+        self.outer.step()
+
+
+def build_outer(mode: str, replica: torch.nn.Module, work: Workload, settings: PeerSettings,
+                topology: Topology) -> Runner:
+    """A local-step mode (``OUTER``): the workload's optimizer on each rank,
+    an outer step every ``settings.sync_every`` steps (collective). What it
+    sends between nodes is counted on the steps that synchronise."""
+    algorithm, values, lr, momentum = OUTER[mode]
+    outer = sct.OuterLoop(replica.named_parameters(), settings.sync_every, algorithm=algorithm,
+                          density=settings.outer_density or settings.density, selector=settings.selector,
+                          values=values, indices="auto" if values and algorithm != "dense" else None, lr=lr,
+                          momentum=momentum, bucket_cap_mb=settings.bucket_cap_mb, topology=topology)
+
+    def sent() -> float:
+        synced = outer.inner_steps == 0
+        return float(sum(b.reducer.last["bytes_inter"] for b in outer.buckets)) if synced else 0.0
+
+    return Runner(replica, LocalSteps(work.new_optimizer(replica.parameters()), outer), sent,
+                  outer.settings.describe())

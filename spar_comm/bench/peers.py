@@ -36,7 +36,14 @@ OVER_TORCH = tuple(f"{mode}_torch" for mode in ("spar_dense", "spar_hier_dense",
 #: node alone with nothing between nodes (their floor).
 SHARDED = {"fsdp": ("world", None), "hsdp": ("nodes", None), "hsdp_spar_topka": ("node", ("topka", None)),
            "hsdp_spar_topka_int8": ("node", ("topka", "int8")), "fsdp_per_node": ("node", None)}
-MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, *SHARDED, "no_comm")
+#: Local steps (spar_comm.torch.OuterLoop: an outer step every --sync-every
+#: steps, around the workload's own optimizer), each as (algorithm, value
+#: codec, outer lr, outer momentum): DiLoCo's Nesterov on the dense
+#: pseudo-gradient in float32 or int8, and the sparse outer loop, error
+#: feedback alone as SparseLoCo, with hitopk.
+OUTER = {"diloco": ("dense", None, 0.7, 0.9), "diloco_int8": ("dense", "int8", 0.7, 0.9),
+         "local_hitopk": ("hitopk", None, 1.0, 0.0), "local_hitopk_int8": ("hitopk", "int8", 1.0, 0.0)}
+MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, *SHARDED, *OUTER, "no_comm")
 #: The modes a job that torchrun launched runs: no MPI, and no peer forked
 #: from a process whose gloo group already runs threads.
 UNDER_TORCHRUN = (*OVER_TORCH, *SHARDED, "no_comm")
@@ -70,6 +77,8 @@ class PeerSettings:
     targets: Sequence[float]
     peer_timeout: float
     inject_failure: Optional[str]
+    sync_every: int = 8
+    outer_density: Optional[float] = None
 
 
 def over_mpi(mode: str) -> str:
