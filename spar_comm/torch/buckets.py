@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from ..errors import ConfigError
 from .broadcast import first_difference
-from .streams import tensor_device
+from .streams import as_tensor, tensor_device
 
 #: The dtypes the allreducers take.
 DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -103,6 +103,26 @@ def bucket_entries(named: List, dense: Sequence[Any], cap_mb: float) -> List[Tup
 def signature(entries: Iterable[Tuple[str, torch.Tensor]]) -> List[Tuple[str, Tuple[int, ...], str]]:
     """What every rank's bucket must agree on: names, shapes and dtypes."""
     return [(name, tuple(p.shape), DTYPES[p.dtype]) for name, p in entries]
+
+
+class FlatBucket:
+    """Parameters reduced together: their names, the flat buffer where their
+    allreducer reads them (the node's shared memory for hitopk and
+    hier_dense; GPU memory on the GPU), and a view of it shaped as each."""
+
+    def __init__(self, entries: List[Tuple[str, torch.Tensor]], reducer: Any):
+        self.names = [name for name, _ in entries]
+        self.params = [p for _, p in entries]
+        self.reducer = reducer
+        self.flat = as_tensor(reducer.buffer)
+        self.views: List[torch.Tensor] = []
+        start = 0
+        for p in self.params:
+            self.views.append(self.flat[start : start + p.numel()].view(p.shape))
+            start += p.numel()
+
+    def signature(self) -> List[Tuple[str, Tuple[int, ...], str]]:
+        return signature(zip(self.names, self.params))
 
 
 def require_same_buckets(comm: MPI.Comm, signature: List) -> None:

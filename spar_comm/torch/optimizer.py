@@ -44,12 +44,11 @@ from ..errors import ConfigError
 from ..topology import Topology
 from . import buckets
 from .backward_end import EndOfBackward
-from .buckets import signature
 from .comm_thread import CommThread
 from .engine import Engine, EngineOwner, InOrder, Reduction, reduction_of
 from .state import (STATE_FORMAT, bucket_residual_entries, choice_problem, optimizer_residuals, rank_key,
                     stateful_problem)
-from .streams import NoStreams, as_array, as_tensor, streams_for
+from .streams import NoStreams, as_array, streams_for
 from .world import job_comm, require_job_world
 
 __all__ = ["DistributedOptimizer"]
@@ -80,23 +79,13 @@ class Plan:
                 "dense": dense, "overlap": self.overlap}
 
 
-class _ParameterBucket:
-    """Parameters reduced together: their flat buffer, its allreducer, and
-    how many of their gradients are final for this step."""
+class _ParameterBucket(buckets.FlatBucket):
+    """Parameters reduced together (``FlatBucket``), and how many of their
+    gradients are final for this step."""
 
     def __init__(self, index: int, entries: List[Tuple[str, torch.nn.Parameter]], reducer: Allreducer):
+        super().__init__(entries, reducer)
         self.index = index
-        self.names = [name for name, _ in entries]
-        self.params = [p for _, p in entries]
-        self.reducer = reducer
-        # Assembled where the allreducer reads it (the node's shared memory for
-        # hitopk/hier_dense; GPU memory on the GPU).
-        self.flat = as_tensor(reducer.buffer)
-        self.views: List[torch.Tensor] = []
-        start = 0
-        for p in self.params:
-            self.views.append(self.flat[start : start + p.numel()].view(p.shape))
-            start += p.numel()
         self.passes = [0] * len(self.params)
         self.waiting = len(self.params)
         self.ready = False
@@ -104,9 +93,6 @@ class _ParameterBucket:
         self.times: Dict[str, float] = {}
         self.produced: List[Any] = []  # events after which the gradients are final
         self.finished: Any = None  # event after which ``.grad`` holds the result
-
-    def signature(self) -> List[Tuple[str, Tuple[int, ...], str]]:
-        return signature(zip(self.names, self.params))
 
     def reset(self) -> None:
         self.passes = [0] * len(self.params)

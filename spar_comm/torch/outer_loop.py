@@ -37,7 +37,7 @@ from .broadcast import broadcast_parameters
 from .engine import Engine, EngineOwner, reduction_of
 from .state import (bucket_residual_entries, bucket_residuals, choice_problem, format_problem, own_residuals,
                     rank_key)
-from .streams import as_tensor, streams_for
+from .streams import streams_for
 from .world import job_comm, require_job_world
 
 __all__ = ["OuterLoop", "OUTER_STATE_FORMAT"]
@@ -93,26 +93,15 @@ def named_tensors(named: Any) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[
     return pairs, None
 
 
-class _OuterBucket:
-    """Parameters synchronised together: their flat buffer (where the
-    allreducer reads the pseudo-gradient), its allreducer, and the outer
-    step's state of the bucket (``OuterStep``: the start and the velocity)."""
+class _OuterBucket(buckets.FlatBucket):
+    """Parameters synchronised together (``FlatBucket``: the allreducer
+    reads the pseudo-gradient from the flat buffer), and the outer step's
+    state of the bucket (``OuterStep``: the start and the velocity)."""
 
     def __init__(self, entries: List[Tuple[str, torch.Tensor]], reducer: Allreducer, settings: OuterSettings):
-        self.names = [name for name, _ in entries]
-        self.params = [p for _, p in entries]
-        self.reducer = reducer
-        self.flat = as_tensor(reducer.buffer)
-        self.views: List[torch.Tensor] = []
-        start = 0
-        for p in self.params:
-            self.views.append(self.flat[start : start + p.numel()].view(p.shape))
-            start += p.numel()
+        super().__init__(entries, reducer)
         self.gather()
         self.outer = OuterStep(settings, self.flat)  # a copy: the start, alike on every rank after the broadcast
-
-    def signature(self) -> List[Tuple[str, Tuple[int, ...], str]]:
-        return buckets.signature(zip(self.names, self.params))
 
     def gather(self) -> None:
         """This rank's weights into the flat buffer."""
