@@ -11,7 +11,8 @@ resumed from the checkpoint reaches the bits of the run that never stopped
 (the optimizer; the hook: applied gradients plus residuals conserve the raw
 gradients); and a template taken from a fresh optimizer without
 ``init_state()`` is refused on every rank rather than losing the momentum.
-Each save goes to a new directory. Prints ``rank R: FAILURES failed`` and
+The same for the outer loop (``OuterLoop``), saved between two outer
+steps. Each save goes to a new directory. Prints ``rank R: FAILURES failed`` and
 each failure."""
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import spar_comm.torch as sct
 from spar_comm import ConfigError
@@ -204,6 +206,60 @@ def hook_state(rank: int, world: int, failures: list) -> None:
         failures.append("hook: the resumed run lost residual: applied + residuals is not the raw gradients' sum")
 
 
+def outer_run(seed: int = 0):
+    """The outer loop around an SGD with momentum: hitopk every 2 steps, an outer momentum."""
+    model = Chosen()
+    with torch.no_grad():
+        for i, p in enumerate(model.ps):
+            p.fill_(seed + i)
+    inner = torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.9)
+    outer = sct.OuterLoop(model.named_parameters(), every=2, algorithm="hitopk", density=0.1, lr=0.8, momentum=0.5,
+                          bucket_cap_mb=CAP_MB)
+    return model, inner, outer
+
+
+def local_steps(model, inner, outer, rank: int, world: int, steps) -> None:
+    for step in steps:
+        inner.zero_grad()
+        model(grads_of(step, world)[rank]).backward()
+        inner.step()
+        outer.step()
+
+
+def outer_state(rank: int, world: int, failures: list) -> None:
+    """OuterLoop over the gloo group: the same bits on every rank after an
+    outer step; saved between two outer steps with sct.save_checkpoint, each
+    rank's residuals and weights under its own keys, and resumed on a fresh
+    loop to the bits of the run that never stopped."""
+    straight = outer_run()
+    local_steps(*straight, rank, world, range(6))
+    if len(set(everyone(digest([p.detach().numpy() for p in straight[0].ps])))) != 1:
+        failures.append("outer loop: the ranks' weights differ after an outer step")
+    model, inner, outer = outer_run()
+    local_steps(model, inner, outer, rank, world, range(3))  # one step past the outer step at 2
+    if len(set(everyone(digest([p.detach().numpy() for p in model.ps])))) != world:
+        failures.append("outer loop: the ranks' weights between outer steps do not differ: the test shows nothing")
+    directory = new_directory()
+    try:
+        # The outer loop's state holds the weights, each rank's own between outer
+        # steps: no "model" entry, which DCP would keep once for every rank. So
+        # is the inner optimizer's state each rank's own: under a key of its
+        # rank, through DCP's helpers, which give a fresh optimizer its momentum to fill.
+        key = f"inner.rank{rank}"
+        sct.save_checkpoint({key: get_optimizer_state_dict(model, inner), "outer": outer}, directory, 3)
+        model, inner, outer = outer_run(seed=5)
+        state = {key: get_optimizer_state_dict(model, inner), "outer": outer}
+        sct.load_checkpoint(state, directory)
+        set_optimizer_state_dict(model, inner, state[key])
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(directory)
+    local_steps(model, inner, outer, rank, world, range(3, 6))
+    if not np.array_equal(flat(model.ps), flat(straight[0].ps)):
+        failures.append("outer loop: the run resumed from the checkpoint differs from the one that never stopped")
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -211,6 +267,7 @@ def main() -> None:
     failures: list = []
     optimizer_state(rank, world, failures)
     hook_state(rank, world, failures)
+    outer_state(rank, world, failures)
     report(f"{len(failures)} failed", failures)
 
 

@@ -46,8 +46,9 @@ __all__ = ["OuterLoop", "OUTER_STATE_FORMAT"]
 #: alike (``start`` and ``velocity``, ``bucket{i}`` a flat tensor), the calls
 #: since the last outer step, the density, and this rank's own under its
 #: rank's key: ``residuals["rank{r}"]["bucket{i}"]`` a ``(span, values)``
-#: tuple, and ``local["rank{r}"]`` its weights between two outer steps (a
-#: tuple of flat tensors, one a bucket; empty right after an outer step).
+#: tuple, and ``local["rank{r}"]`` its weights (a tuple of flat tensors, one
+#: a bucket: between two outer steps each rank's own; always there, so that
+#: a fresh loop's state is a template ``torch.distributed.checkpoint`` fills).
 OUTER_STATE_FORMAT = 1
 
 #: Why a state saved on another number of ranks is refused.
@@ -260,19 +261,16 @@ class OuterLoop(EngineOwner):
         ``velocity`` (``bucket{i}``: the tensors themselves, alike on every
         rank: save before the next outer step); and this rank's own under
         its rank's key: ``residuals["rank{r}"]`` (as
-        ``DistributedOptimizer``'s) and ``local["rank{r}"]``, its weights
-        between two outer steps (copies; empty right after an outer step),
-        which ``load_state_dict`` gives back to the parameters.
+        ``DistributedOptimizer``'s) and ``local["rank{r}"]``, copies of its
+        weights (its own between two outer steps), which ``load_state_dict``
+        gives back to the parameters.
 
         Local. Each rank saves and loads its own: ``torch.save`` to a file a
         rank, or ``torch.distributed.checkpoint`` (``sct.save_checkpoint``) of
         every rank's state, which keeps each rank's keys apart. Save the
         inner optimizer's state beside it."""
         with torch.no_grad():
-            local: Tuple[torch.Tensor, ...] = ()
-            if self.inner_steps:
-                local = tuple(torch.cat([p.detach().reshape(-1) for p in bucket.params]).clone()
-                              for bucket in self.buckets)
+            local = tuple(torch.cat([p.detach().reshape(-1) for p in bucket.params]) for bucket in self.buckets)
         return {
             "format": OUTER_STATE_FORMAT,
             "world_size": self._comm.size,
@@ -293,8 +291,7 @@ class OuterLoop(EngineOwner):
         """Restore what this rank's ``state_dict()`` returned, in a job of the
         same number of ranks and buckets: the outer state, this rank's
         residuals, the counts and the density, and the parameters (this
-        rank's weights where it was saved between two outer steps, else the
-        start). A resume goes on to the same bits as a run that never stopped
+        rank's weights as saved). A resume goes on to the same bits as a run that never stopped
         (with the inner optimizer's state loaded too).
 
         Raises:
@@ -334,7 +331,7 @@ class OuterLoop(EngineOwner):
             for i, (bucket, (start, velocity)) in enumerate(zip(self.buckets, outer)):
                 bucket.outer.start.copy_(start)
                 bucket.outer.velocity.copy_(velocity)
-                bucket.scatter(local[i] if local else bucket.outer.start)
+                bucket.scatter(local[i])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state.get("outer_steps", 0))
         self.density = float(state["density"])
 
@@ -360,10 +357,8 @@ class OuterLoop(EngineOwner):
         if problem is not None:
             return [], (), problem
         sizes = [bucket.flat.numel() for bucket in self.buckets]
-        fits = isinstance(local, (tuple, list)) and (
-            not local or [t.numel() if isinstance(t, torch.Tensor) else -1 for t in local] == sizes)
+        fits = isinstance(local, (tuple, list)) and [
+            t.numel() if isinstance(t, torch.Tensor) else -1 for t in local] == sizes
         if not fits:
-            return [], (), f"{what}'s local weights of this rank are neither empty nor {len(sizes)} flat tensors"
-        if bool(local) != bool(counts[0]):
-            return [], (), f"{what} holds local weights only between two outer steps (inner_steps {counts[0]})"
+            return [], (), f"{what}'s local weights of this rank are not {len(sizes)} flat tensors of its buckets"
         return outer, local, None
