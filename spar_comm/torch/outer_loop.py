@@ -202,9 +202,13 @@ class OuterLoop(EngineOwner):
         with torch.no_grad():
             for entries, reducer in self._engine.make_buckets(topology, named, tuple(dense), bucket_cap_mb):
                 self.buckets.append(_OuterBucket(entries, reducer, self.settings))
-        self.every = int(every)
         self.inner_steps = 0  # calls of step() since the last outer step
         self.outer_steps = 0
+
+    @property
+    def every(self) -> int:
+        """The inner steps between two outer steps."""
+        return self.settings.every
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> bool:
@@ -212,7 +216,7 @@ class OuterLoop(EngineOwner):
         (``synchronize``). True where it did. Call it after the inner
         optimizer's ``step()``, as often on every rank."""
         self.inner_steps += 1
-        if not self.buckets[0].outer.due(self.inner_steps):
+        if self.inner_steps < self.every:
             return False
         self.synchronize()
         return True
