@@ -145,8 +145,9 @@ def test_a_host_lost_mid_run_the_job_restarts_on_the_host_left_resumes_and_finis
     assert left == [], f"processes left: {left}"
     # A process killed by SIGKILL cannot unlink its MPI singleton's file (named by its pid in hex): on a
     # real cluster it is on the lost host; here it is the harness's to remove. The survivor leaves none.
+    # Named by pid, they are removed whether or not the dying process still maps them (an orphan a moment later).
     theirs = {f"mpich_shm_{pid:x}_0" for pid in killed}
-    for name in orphaned_segments(segments) & theirs:
+    for name in (mpi_segments() - segments) & theirs:
         os.unlink(f"/dev/shm/{name}")
     assert orphaned_segments(segments) == set(), (f"host 1's processes {killed}; the survivor's workers: "
                                                   f"{[line for _, line in agents[0].errors if 'pid:' in line]}")

@@ -60,8 +60,9 @@ class PeerSettings:
     the buckets (PowerSGD's DDP given one for the whole model where
     ``powersgd_one_bucket``), the emulated nodes, the rounds, the seed of
     PowerSGD's projections, held-out evaluations every ``eval_every`` rounds
-    and their ``targets``, how long a peer may stay silent, and the peer
-    made to fail (``inject_failure``)."""
+    and their ``targets``, how long a peer may stay silent, the peer made
+    to fail (``inject_failure``), and the local-step modes' period
+    (``sync_every``) and density (``outer_density``, default ``density``)."""
 
     modes: Sequence[str]
     density: float

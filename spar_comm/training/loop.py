@@ -234,20 +234,21 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         if flags & WRITE_FAILED:
             raise_if_any(group.comm, writer and writer.failure, WriteError)
         reason = flags & STOPS
-        last = NOTHING_SENT
+        last, update = NOTHING_SENT, t4 - t3
         if outer is not None and (outer.due(step) or step == total or flags & (STOPS | SAVE)):
             # The outer step, also where the run stops or saves by the clock, so
             # that every checkpoint holds weights that all ranks share.
-            t3 = time.perf_counter()
-            outer.apply(allreduce.reduce(step - 1, outer.pseudo_gradient(params), xp), params)
-            t4, last = time.perf_counter(), allreduce.last
+            reduced = allreduce.reduce(step - 1, outer.pseudo_gradient(params), xp)
+            t5 = time.perf_counter()
+            outer.apply(reduced, params)
+            last, update = allreduce.last, update + time.perf_counter() - t5
         elif outer is None:
             last = allreduce.last
         if step == start + 1:
             steady_began = time.perf_counter()
         recorder.record(step - 1, dict(
             data=t1 - t0, compute=t2 - t1, select=last["t_select"], comm_intra=last["t_intra"],
-            comm_inter=last["t_inter"], update=t4 - t3, step=time.perf_counter() - t0,
+            comm_inter=last["t_inter"], update=update, step=time.perf_counter() - t0,
             bytes_intra=last["bytes_intra"], bytes_inter=last["bytes_inter"], k=last["k"],
             threshold=last["threshold"], loss=loss, lr=lr, density=allreduce.density,
         ))
