@@ -22,6 +22,7 @@ from .. import torch as sct
 from ..topology import Topology
 from .peers import SHARDED, PeerSettings, Runner, Workload
 
+
 def shard(model: torch.nn.Module, mesh: Any) -> None:
     """``fully_shard`` each block of ``model`` (its ``blocks``, else each child
     with parameters), then the root, as an FSDP2 script does."""
