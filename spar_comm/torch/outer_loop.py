@@ -171,8 +171,8 @@ class OuterLoop(EngineOwner):
     """
 
     def __init__(self, named_parameters: Iterable[Any], every: int = 30, *, algorithm: str = "hitopk",
-                 density: float = 0.02, lr: float = 1.0, momentum: float = 0.0,
-                 nesterov: bool = True, selector: str = "mstopk", values: Optional[str] = None,
+                 density: float = 0.02, lr: float = OuterSettings.lr, momentum: float = OuterSettings.momentum,
+                 nesterov: bool = OuterSettings.nesterov, selector: str = "mstopk", values: Optional[str] = None,
                  indices: Optional[str] = None, error_feedback: bool = True, non_finite: str = "propagate",
                  bucket_cap_mb: float = 25, dense: Sequence[Any] = (), topology: Optional[Topology] = None,
                  process_group: Any = None, transport: Optional[str] = None, **options: Any):

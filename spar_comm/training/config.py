@@ -6,13 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
+from ..outer import OuterSettings
 from .density import SCHEDULES as DENSITY_SCHEDULES
 from .schedule import SCHEDULES
-
-if TYPE_CHECKING:
-    from ..outer import OuterSettings
 
 MODELS = ("mlp", "softmax", "cnn")
 DATASETS = ("digits", "synthetic")
@@ -65,9 +63,9 @@ class TrainConfig:
     # takes H local steps, then reduces the pseudo-gradient and takes an outer
     # step, by default SparseLoCo's (error feedback alone).
     sync_every: int = 0
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    outer_nesterov: bool = True
+    outer_lr: float = OuterSettings.lr
+    outer_momentum: float = OuterSettings.momentum
+    outer_nesterov: bool = OuterSettings.nesterov
     device: str = "cpu"
     trace: Optional[str] = None
     trace_every: int = 10
@@ -132,7 +130,7 @@ class TrainConfig:
             if self.algorithm in ("powersgd", "adasum"):
                 found.append(f"--sync-every: --algorithm {self.algorithm} does not reduce pseudo-gradients "
                              "(PowerSGD's factors follow one gradient's matrices, Adasum's result is no mean)")
-        elif (self.outer_lr, self.outer_momentum, self.outer_nesterov) != (1.0, 0.0, True):
+        elif any(getattr(self, f.name) != f.default for f in dataclasses.fields(self) if f.name.startswith("outer_")):
             found.append("--outer-lr, --outer-momentum and --no-outer-nesterov need --sync-every H")
         if self.epochs is not None and self.steps is not None:
             found.append("give --epochs or --steps, not both")
@@ -161,10 +159,8 @@ class TrainConfig:
             found.append("--model cnn takes 8x8 images: use it with --dataset digits")
         return found
 
-    def outer(self) -> "OuterSettings":
+    def outer(self) -> OuterSettings:
         """The outer loop's settings."""
-        from ..outer import OuterSettings
-
         return OuterSettings(self.sync_every, self.outer_lr, self.outer_momentum, self.outer_nesterov)
 
     def to_json(self) -> str:
