@@ -94,13 +94,15 @@ def test_an_unknown_codec_is_refused():
 
 
 @pytest.mark.parametrize("changes, words", [
-    (dict(values="int4"), "--values must be one of float32, float16, bfloat16, int8"),
+    (dict(values="int4"), "--values must be one of float32, float16, bfloat16, int8, auto, got 'int4'"),
     (dict(values="int8", algorithm="gtopk"), "--values applies to dense, hier_dense, topka, hitopk, hitopk_leader, not to --algorithm gtopk"),
+    (dict(values="auto", algorithm="gtopk"), "--values applies to dense, hier_dense, topka, hitopk, hitopk_leader, not to --algorithm gtopk"),
 ])
 def test_bad_value_codec_settings_are_named(changes, words):
     from spar_comm.training.config import TrainConfig
 
     assert words in "; ".join(TrainConfig(**changes).problems())
+    assert TrainConfig(**{**changes, "values": "auto", "algorithm": "hitopk"}).problems() == []
 
 
 @settings(max_examples=80, deadline=None)

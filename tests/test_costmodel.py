@@ -14,7 +14,7 @@ from spar_comm import ALGORITHMS, selection_size
 from spar_comm.collectives.checks import CODECS
 from spar_comm.costmodel import (CPU, GPU, CalibrationError, Cluster, Machine, Measurement, fastest, fit,
                                  gbps_to_beta, load, predict, relative_errors, step_terms)
-from spar_comm.costmodel import mpi, peers, probe
+from spar_comm.costmodel import auto, mpi, peers, probe
 
 clusters = st.builds(Cluster, st.integers(1, 512), st.integers(1, 16))
 sizes = st.integers(1, 2_000_000_000)
@@ -358,3 +358,29 @@ def test_ddp_bytes_are_a_ring_allreduce_of_the_gradients_between_nodes_only():
     whole, p, q = peers.powersgd_elements(shapes, 1)
     assert peers.ddp_bytes("ddp_powersgd_r1", shapes, ranks=2, nodes=2) == 4 * (whole + p) + 4 * q
     assert peers.ddp_bytes("spar_hook", shapes, ranks=2, nodes=2) is None
+
+
+def test_auto_values_take_int8_on_a_slow_link_and_stay_exact_on_a_fast_one():
+    """docs/results/local-steps.md, the GPT on the emulated 2 x 2 (2 cores):
+    hitopk at density 0.1 took 566 ms a step and with int8 values 527 at
+    1 Gbit/s; on unshaped links 459 against 493."""
+    def plan(gbps, algorithm):
+        pricing = auto.Pricing(CPU.replace(beta_inter=gbps_to_beta(gbps)), Cluster(2, 2, 2))
+        return pricing.plan(algorithm, 2_700_000, "float32", 0.1, "threshold", values="auto")
+
+    assert plan(1, "hitopk") == ("hitopk", "int8") and plan(0.1, "auto")[1] == "int8"
+    assert plan(25, "hitopk") == ("hitopk", None) and plan(25, "auto")[1] is None
+    assert plan(0.1, "gtopk") == ("gtopk", None)  # a codec it cannot take is never chosen
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusters, st.integers(1, 50_000_000), densities, bandwidths, st.sampled_from(["auto", *CODECS["values"]]))
+def test_auto_values_choose_the_fastest_pair_the_allreducers_accept(cluster, size, density, gbps, algorithm):
+    """Against every (algorithm, codec) the allreducers would build, priced one by one."""
+    machine = CPU.replace(beta_inter=gbps_to_beta(gbps))
+    chosen = auto.Pricing(machine, cluster).plan(algorithm, size, "float32", density, "threshold", values="auto")
+    names = [name for name in ALGORITHMS if ALGORITHMS[name].sums] if algorithm == "auto" else [algorithm]
+    times = {(name, codec): predict(cluster, size, machine, "float32", density, "threshold", [name], codec)[name]
+             for codec in auto.VALUE_CHOICES for name in names if codec is None or name in CODECS["values"]}
+    assert chosen in times and times[chosen] == min(times.values())
+    assert times[chosen] < min(t for (name, codec), t in times.items() if codec is None) or chosen[1] is None

@@ -87,6 +87,28 @@ def test_one_pricing_serves_every_choice_and_prices_nothing_again(topology, monk
         assert_all(COMM, chosen == pricing.choose(size, "float32", 0.001, "mstopk"), f"{size}: chose {chosen}")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_auto_values_build_the_codec_priced_fastest_alike_on_every_rank(topology):
+    """``values="auto"``: int8 over a slow link, the sum's own values over a
+    fast one (or within a node), and the built allreducer reduces as one made
+    with that codec by name."""
+    size, chosen = 300_000, []
+    for i, gbps in enumerate((0.1, 400)):
+        pricing = auto.resumed(topology, {"machine": CPU.replace(beta_inter=gbps_to_beta(gbps)).to_dict(),
+                                          "cores": None})
+        reducer = make_allreducer("hitopk", topology, size, density=0.01, values="auto", pricing=pricing)
+        values = reducer.settings.values
+        assert_all(COMM, (reducer.name, values) == pricing.plan("hitopk", size, "float32", 0.01, "mstopk", "auto"),
+                   f"{gbps} Gbit/s: built {values}")
+        assert_all(COMM, len(set(COMM.allgather(values))) == 1, "ranks chose different codecs")
+        grad = np.random.default_rng([i, COMM.rank]).standard_normal(size).astype(np.float32)
+        twin = make_allreducer("hitopk", topology, size, density=0.01, values=values)
+        assert_all(COMM, np.array_equal(reducer.allreduce(grad), twin.allreduce(grad)), "differs from its codec")
+        chosen.append(values)
+    crosses = topology.num_nodes > 1
+    assert_all(COMM, chosen == (["int8", None] if crosses else [None, None]), f"chose {chosen}")
+
+
 @pytest.mark.mpi(min_size=1)
 def test_auto_with_bad_settings_raises_the_usual_config_error(topology):
     failed = False

@@ -113,6 +113,7 @@ def test_bench_peers_reports_every_mode_and_survives_a_failing_peer(run_driver, 
         assert ok[f"{mode}_torch"]["bytes_inter"] == ok[mode]["bytes_inter"], mode
     assert "between nodes over torch.distributed" in ok["spar_auto_torch"]["note"], ok["spar_auto_torch"]
     assert "between nodes over MPI" in ok["spar_auto"]["note"], ok["spar_auto"]
+    assert ok["spar_auto_codecs"]["note"].startswith("chose "), ok["spar_auto_codecs"]  # and the codecs it took
     phases = ok["spar_hitopk"]["phases_ms"]
     assert list(phases) == list(peers.PHASES) and phases["select"] > 0 and min(phases.values()) >= 0, phases
     assert "phases_ms" not in ok["ddp"] and "where spar_comm's communication went" in run.stdout

@@ -738,3 +738,28 @@ def test_an_amp_run_resumes_with_its_scale_to_the_same_bits(topology):
     run(*resumed, range(2, 4))
     assert_all(COMM, np.array_equal(parameters_of(straight[0]), parameters_of(resumed[0])),
                "the resumed run differs from the one that never stopped")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_values_take_int8_over_a_slow_link_and_a_state_saved_with_another_codec(monkeypatch):
+    """``values="auto"`` prices each bucket's codec with its algorithm: int8
+    over 10 Mbit/s, the sum's own values over 1 Tbit/s. A residual is the
+    algorithm's whatever the codec, so the fast job takes the slow one's state."""
+    monkeypatch.delenv(ENV_CALIBRATION, raising=False)
+
+    def job(gbps):
+        monkeypatch.setattr(probe, "time_link", lambda round_trip: (1e-4 if gbps < 1 else 1e-6, gbps_to_beta(gbps)))
+        net = small_net()
+        opt = sct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                       topology=Topology(ranks_per_node=1), algorithm="hitopk", density=0.1,
+                                       values="auto", bucket_cap_mb=0.001)
+        return net, opt
+
+    net, slow = job(0.01)
+    train_steps(net, slow, range(2))
+    _, fast = job(1000)
+    codecs = [[b.reducer.settings.values for b in opt.buckets] for opt in (slow, fast)]
+    assert_all(COMM, "int8" in codecs[0] and set(codecs[1]) == {None}, f"auto chose {codecs}")
+    assert_all(COMM, len({repr(c) for c in COMM.allgather(codecs)}) == 1, "ranks chose different codecs")
+    fast.load_state_dict(slow.state_dict())
+    assert_all(COMM, all(map(np.array_equal, residuals_of(fast), residuals_of(slow))), "the residuals not taken")

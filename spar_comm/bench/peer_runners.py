@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import torch as sct
+from ..costmodel import auto
 from ..costmodel.peers import MIN_COMPRESSION_RATE
 from ..topology import Topology
 from ..torch.world import launched
@@ -77,9 +78,9 @@ def build(mode: str, replica: torch.nn.Module, work: Workload, settings: PeerSet
                                    algorithm=algorithm, density=settings.density, selector=settings.selector,
                                    topology=topology,
                                    bucket_cap_mb=settings.bucket_cap_mb, values=values, indices=indices, dense=small)
-    chosen = ",".join(sorted({b.reducer.name for b in opt.buckets}))
+    chosen = ",".join(sorted({" ".join(filter(None, (b.reducer.name, b.reducer.settings.values))) for b in opt.buckets}))
     return Runner(replica, opt, lambda: float(sum(b.reducer.last["bytes_inter"] for b in opt.buckets)),
-                  f"chose {chosen} ({opt.pricing.describe()})" if mode == "spar_auto" else "",
+                  f"chose {chosen} ({opt.pricing.describe()})" if auto.chooses(algorithm, values) else "",
                   lambda: phases_of(opt), mode in SPINNING)
 
 

@@ -23,7 +23,8 @@ PEERS = ("ddp", "ddp_fp16", *(f"ddp_powersgd_r{r}" for r in POWERSGD_RANKS))
 #: spar_comm's modes through DistributedOptimizer: (algorithm, values, indices).
 SPAR = {**{f"spar_{a}": (a, None, None) for a in (*ALGORITHMS, "auto")},
         "spar_dense_float16": ("dense", "float16", None), "spar_dense_int8": ("dense", "int8", None),
-        "spar_hitopk_int8": ("hitopk", "int8", "auto"), "spar_hitopk_spin": ("hitopk", None, None)}
+        "spar_hitopk_int8": ("hitopk", "int8", "auto"), "spar_hitopk_spin": ("hitopk", None, None),
+        "spar_auto_codecs": ("auto", "auto", "auto")}
 #: spar_comm's modes whose waits spin in MPI (see ``spar_comm/waiting.py``).
 SPINNING = ("spar_hitopk_spin",)
 #: spar_comm's modes again over torch.distributed's gloo group (the torch

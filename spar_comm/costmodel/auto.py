@@ -1,4 +1,5 @@
-"""``algorithm="auto"``: the allreducer the model predicts fastest, chosen alike on every rank.
+"""``algorithm="auto"`` and ``values="auto"``: the allreducer and the value
+codec the model predicts fastest, chosen alike on every rank.
 
 What ``auto`` prices is a value, ``Pricing``: the machine figures and the
 cluster's shape, identical on every rank. ``price`` makes it once for a job
@@ -20,13 +21,22 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from .. import collectives
-from ..collectives import AUTO, Allreducer, Settings
+from ..collectives import ALGORITHMS, AUTO, Allreducer, Settings
+from ..collectives.checks import CODECS
 from ..consensus import raise_if_any, require_same
 from ..topology import Topology
 from . import calibrate, fastest, predict, probe
 from .machine import CPU, Cluster, Machine, beta_to_gbps, from_state
 
 ENV_CALIBRATION = "SPAR_COMM_CALIBRATION"
+#: What ``values="auto"`` chooses among: the sum's own values first, so that a
+#: tie keeps them exact; then half precision and int8 blocks.
+VALUE_CHOICES: Tuple[Optional[str], ...] = (None, "float16", "int8")
+
+
+def chooses(algorithm: Any, values: Any) -> bool:
+    """Whether the model has something to choose: the algorithm, the value codec, or both."""
+    return algorithm == AUTO or values == AUTO
 
 
 @dataclass(frozen=True)
@@ -40,21 +50,35 @@ class Pricing:
 
     def choose(self, size: Any, dtype: Any, density: Any, selector: Any, values: Optional[str] = None,
                indices: Optional[str] = None, among: Optional[Tuple[str, ...]] = None) -> str:
-        """The fastest algorithm for a bucket; with codecs (``values``,
-        ``indices``), the fastest of those that take them; with ``among``,
-        of those named there (the ones a way in can use). Settings the
-        allreducers would refuse get ``dense``, whose constructor then raises
-        the same ConfigError on every rank."""
+        """The fastest algorithm for a bucket: ``plan``'s, under ``auto``."""
+        return self.plan(AUTO, size, dtype, density, selector, values, indices, among)[0]
+
+    def plan(self, algorithm: str, size: Any, dtype: Any, density: Any, selector: Any,
+             values: Optional[str] = None, indices: Optional[str] = None,
+             among: Optional[Tuple[str, ...]] = None) -> Tuple[str, Optional[str]]:
+        """The fastest (algorithm, value codec) for a bucket. ``algorithm``
+        or, under ``auto``, any allreducer (of those named in ``among``, the
+        ones a way in can use); ``values`` or, under ``auto``, any of
+        ``VALUE_CHOICES`` the algorithm takes, each priced with ``indices``.
+        Settings the allreducers would refuse get ``dense`` and the values
+        given, whose constructor then raises the same ConfigError on every
+        rank."""
+        codecs = VALUE_CHOICES if values == AUTO else (values,)
         try:
             valid = int(size) >= 1 and 0 < float(density) <= 1 and selector in self.machine.select
-            if valid:
-                times = predict(self.cluster, int(size), self.machine, np.dtype(dtype).name, float(density),
-                                selector, values=values, indices=indices)
-                return fastest({name: t for name, t in times.items() if among is None or name in among}
-                               or {"dense": 0.0})
-        except (TypeError, ValueError, OverflowError):
+            times: Dict[Tuple[str, Optional[str]], float] = {}
+            for codec in codecs if valid else ():
+                takes = [name for name in ([algorithm] if algorithm != AUTO else among or ALGORITHMS)
+                         if (codec is None or name in CODECS["values"])
+                         and (indices is None or name in CODECS["indices"])]
+                times.update({(name, codec): t for name, t in predict(
+                    self.cluster, int(size), self.machine, np.dtype(dtype).name, float(density), selector,
+                    algorithms=takes, values=codec, indices=indices).items()} if takes else {})
+            if times:
+                return fastest(times)
+        except (TypeError, ValueError, OverflowError, KeyError):
             pass
-        return "dense"
+        return ("dense" if algorithm == AUTO else algorithm), (None if values == AUTO else values)
 
     def describe(self) -> str:
         """What is priced, in a few words."""
@@ -110,13 +134,13 @@ def price(topology: Topology) -> Pricing:
     return Pricing(machine, _cluster(topology, cores), topology.transport)
 
 
-def choice(topology: Topology, pricing: Pricing, size: Any, dtype: Any, density: Any, selector: Any,
-           values: Optional[str] = None, indices: Optional[str] = None,
-           among: Optional[Tuple[str, ...]] = None) -> str:
-    """``pricing.choose``, checked to be the same on every rank (collective):
-    never two allreducers at once."""
-    chosen = pricing.choose(size, dtype, density, selector, values=values, indices=indices, among=among)
-    require_same(topology.world, "auto's choice", {"algorithm": chosen})
+def choice(topology: Topology, pricing: Pricing, algorithm: str, size: Any, dtype: Any, density: Any,
+           selector: Any, values: Optional[str] = None, indices: Optional[str] = None,
+           among: Optional[Tuple[str, ...]] = None) -> Tuple[str, Optional[str]]:
+    """``pricing.plan``, checked to be the same on every rank (collective):
+    never two allreducers or codecs at once."""
+    chosen = pricing.plan(algorithm, size, dtype, density, selector, values, indices, among)
+    require_same(topology.world, "auto's choice", {"algorithm": chosen[0], "values": chosen[1]})
     return chosen
 
 
@@ -149,7 +173,9 @@ def make_allreducer(
         density: the fraction selected; ``max_density`` (default ``density``)
             the most a call may ask for (``allreduce(density=)``).
         values, indices: the codecs of the messages (``codecs.VALUES``;
-            ``indices="auto"`` picks int32, 16-bit gaps or a bitmap).
+            ``values="auto"``: the fastest of ``VALUE_CHOICES`` as priced, the
+            lossy ones included; ``indices="auto"`` picks int32, 16-bit gaps
+            or a bitmap for each message, losing nothing).
         shared_buffer: ``.buffer`` in the node's shared memory where the
             algorithm reads it there.
         options: the algorithm's own (``powersgd``: ``rank``, ``shapes``).
@@ -178,9 +204,10 @@ def build_allreducer(algorithm: str, topology: Topology, size: int, dtype: Any, 
     ``pricing`` (choosing ``among`` those named, where given), then
     ``collectives.build``. Collective."""
     raise_if_any(topology.world, collectives.unknown_algorithm(algorithm))
-    require_same(topology.world, "allreducer settings", {"algorithm": algorithm})
-    if algorithm == AUTO:
+    require_same(topology.world, "allreducer settings", {"algorithm": algorithm, "values": settings.values})
+    if chooses(algorithm, settings.values):
         pricing = pricing if pricing is not None else price(topology)
-        algorithm = choice(topology, pricing, size, dtype, settings.density, settings.selector, settings.values,
-                           settings.indices, among)
+        algorithm, values = choice(topology, pricing, algorithm, size, dtype, settings.density, settings.selector,
+                                   settings.values, settings.indices, among)
+        settings = settings.replace(values=values)
     return collectives.build(algorithm, topology, size, dtype, settings)

@@ -2,7 +2,7 @@
 into its parts, and the fastest of them."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Hashable, Iterable, Mapping, Optional, TypeVar
 
 from ..collectives import ALGORITHMS
 from ..collectives.checks import CODECS
@@ -40,9 +40,17 @@ def breakdown(algorithm: str, cluster: Cluster, size: int, machine: Machine, dty
     }
 
 
-def fastest(times: Dict[str, float]) -> str:
-    """The algorithm of least predicted time; ties go to the one listed first.
-    Only algorithms that return the sum compete (``adasum`` changes the
-    update, so it is priced but never picked), unless none is listed."""
-    summing = [name for name in times if name not in ALGORITHMS or ALGORITHMS[name].sums]
-    return min(summing or times, key=lambda name: times[name])
+Key = TypeVar("Key", bound=Hashable)
+
+
+def fastest(times: Mapping[Key, float]) -> Key:
+    """The key of least predicted time, an algorithm's name or an (algorithm,
+    codec) pair; ties go to the one listed first. Only algorithms that return
+    the sum compete (``adasum`` changes the update, so it is priced but never
+    picked), unless none is listed."""
+    def sums(key: Key) -> bool:
+        name = key[0] if isinstance(key, tuple) else key
+        return name not in ALGORITHMS or ALGORITHMS[name].sums
+
+    summing = [key for key in times if sums(key)]
+    return min(summing or times, key=lambda key: times[key])

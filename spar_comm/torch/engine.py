@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..collectives import AUTO, Allreducer, Settings
+from ..collectives import Allreducer, Settings
 from ..costmodel import auto
 from ..errors import NonFiniteGradientError, SparCommError
 from ..launch import abort_job
@@ -108,9 +108,9 @@ class Engine:
         self.errors: List[SparCommError] = []  # raised on every rank alike, handed to the caller's thread
 
     def price(self, topology: Any) -> None:
-        """Under ``auto``, price ``topology`` for every bucket to come
-        (collective: it may time the link between nodes)."""
-        if self.reduction.algorithm == AUTO:
+        """Under ``auto`` (the algorithm or the values), price ``topology``
+        for every bucket to come (collective: it may time the link between nodes)."""
+        if auto.chooses(self.reduction.algorithm, self.reduction.allreducer.values):
             self.pricing = auto.price(topology)
 
     def make(self, topology: Any, size: int, dtype: str, dense: bool = False,

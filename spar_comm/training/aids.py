@@ -49,7 +49,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from ..collectives import ALGORITHMS, AUTO
+from ..collectives import ALGORITHMS
 from ..costmodel import auto
 from .config import TrainConfig
 from .density import Fixed
@@ -129,21 +129,23 @@ class ScheduledAllreduce:
     One allreducer serves every density the schedule can return: its buffers
     are sized for the largest (``schedule.most``), and each call asks for its
     step's, so a change of density rebuilds nothing and the residual stays
-    where it is. Dense algorithms ignore the density. ``algorithm="auto"`` is
-    resolved once by ``pricing``, at the target density.
+    where it is. Dense algorithms ignore the density. ``algorithm="auto"`` and
+    ``values="auto"`` are resolved once by ``pricing``, at the target density.
     """
 
     def __init__(self, group: Group, algorithm: str, size: int, dtype: str, selector: str, schedule: Fixed,
                  options: Optional[dict] = None, pricing: Optional[auto.Pricing] = None):
         self.group, self.size, self.dtype, self.selector, self.schedule = group, size, dtype, selector, schedule
-        if algorithm == AUTO:
-            codecs = {name: (options or {}).get(name) for name in ("values", "indices")}
-            algorithm = auto.choice(group.topology, pricing, size, dtype, schedule.target, selector, **codecs)
+        values, indices = ((options or {}).get(name) for name in ("values", "indices"))
+        if auto.chooses(algorithm, values):
+            algorithm, values = auto.choice(group.topology, pricing, algorithm, size, dtype, schedule.target,
+                                            selector, values, indices)
+            options = dict(options or {}, values=values)
         known_sparse = algorithm in ALGORITHMS and ALGORITHMS[algorithm].sparse  # unknown: refused when built
         self.density = schedule(0) if known_sparse else schedule.target
         options = dict(options or {}, max_density=schedule.most) if known_sparse else options
         self.current: FusedAllreduce = group.allreducer(algorithm, size, dtype, self.density, selector, options)
-        self.algorithm = self.current.reducer.name
+        self.algorithm, self.values = self.current.reducer.name, self.current.reducer.settings.values
 
     def reduce(self, step: int, grad: Any, xp: Any) -> Any:
         """Step ``step``'s allreduce at its density; the schedule sees the result."""

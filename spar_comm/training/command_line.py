@@ -46,8 +46,9 @@ def make_parser() -> RankZeroParser:
                       help="gradient allreduce; auto: the one the cost model predicts fastest")
     comm.add_argument("--selector", default=DEFAULTS.selector, help="top-k method of spar_comm.kernels")
     comm.add_argument("--density", type=float, default=DEFAULTS.density, help="fraction of gradient entries sent")
-    comm.add_argument("--values", choices=VALUES, help="the values of the pairs on the wire (topka, hitopk, "
-                      "hitopk_leader; what they round away stays in the residual; default: as summed)")
+    comm.add_argument("--values", choices=[*VALUES, AUTO], help="the values on the wire (dense, hier_dense, topka, "
+                      "hitopk, hitopk_leader; what they round away stays in the residual; auto: whichever of as "
+                      "summed, float16 and int8 the cost model predicts fastest; default: as summed)")
     comm.add_argument("--rank", type=int, default=DEFAULTS.rank, help="PowerSGD's rank (--algorithm powersgd)")
     comm.add_argument("--indices", choices=INDICES, help="the positions of the pairs on the wire: auto takes int32, "
                       "16-bit gaps or a bitmap, whichever is smallest (default: int32)")

@@ -105,7 +105,7 @@ class TrainConfig:
         if not 0 <= self.accordion_high <= 1 or (self.accordion_high and self.accordion_high < self.density):
             found.append(f"--accordion-high must be in [--density, 1] (or 0: ten times --density), "
                          f"got {self.accordion_high}")
-        for setting, given, known in (("values", self.values, VALUES), ("indices", self.indices, INDICES)):
+        for setting, given, known in (("values", self.values, (*VALUES, "auto")), ("indices", self.indices, INDICES)):
             if given is not None and given not in known:
                 found.append(f"--{setting} must be one of {', '.join(known)}, got {given!r}")
             elif given is not None and self.algorithm not in (*CODECS[setting], "auto"):

@@ -148,7 +148,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         options.update(rank=config.rank, shapes=[model.layout.shapes[name] for name in model.layout.names])
     saved = read_saved(config.checkpoint, group, model.layout) if config.resume else None  # checked whole, once
     pricing = None
-    if config.algorithm == AUTO:  # what the run it resumes priced, whatever the link times now; else priced now
+    if auto.chooses(config.algorithm, config.values):  # what the run it resumes priced, whatever the link times now
         resuming = saved is not None and saved.priced is not None
         pricing = auto.resumed(topology, saved.priced) if resuming else auto.price(topology)
     allreduce = ScheduledAllreduce(group, config.algorithm, model.layout.size, config.dtype, config.selector, density,
@@ -171,9 +171,7 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
     if outer is not None:
         outer.restart(params)
     start = state.step
-    name = config.algorithm
-    if name == AUTO:  # what it chose, and the cluster it priced
-        name = f"auto: {allreduce.algorithm} ({pricing.describe()})"
+    name = f"auto: {allreduce.algorithm}" if config.algorithm == AUTO else config.algorithm
     method = f"{name}/{config.selector} density {config.density:g}" if allreduce.sparse else name
     if config.algorithm == "powersgd":
         method += f" rank {config.rank}"
@@ -181,9 +179,10 @@ def train(config: TrainConfig, comm: Optional[MPI.Comm] = None, model: Any = Non
         method += density.describe()
     if outer is not None:
         method += f", {outer.settings.describe()}"
-    if config.values or config.indices:
-        method += "".join(f", {name} {kind}" for kind, name in (("values", config.values), ("indices", config.indices))
-                          if name)
+    values = f"auto: {allreduce.values or 'as summed'}" if config.values == AUTO else config.values
+    method += "".join(f", {codec} {kind}" for kind, codec in (("values", values), ("indices", config.indices)) if codec)
+    if pricing is not None:  # what auto chose, and the cluster it priced
+        method += f" ({pricing.describe()})"
     setup = (
         f"{method}, {model_name} "
         f"({model.layout.size:,} parameters) on {data.name}, {topology.describe().split(';')[0]}"
