@@ -83,6 +83,11 @@ class OuterStep:
     def apply(self, reduced: Any, params: Any) -> None:
         """Take the outer step with the ranks' reduced pseudo-gradient; every
         rank's ``params`` become the new start, in place."""
+        self.step(reduced)
+        params[...] = self.start
+
+    def step(self, reduced: Any) -> None:
+        """The outer optimizer's step on the start with the ranks' reduced pseudo-gradient."""
         s = self.settings
         update = reduced
         if s.momentum:
@@ -90,7 +95,6 @@ class OuterStep:
             self.velocity += reduced
             update = reduced + s.momentum * self.velocity if s.nesterov else self.velocity
         self.start -= update if s.lr == 1 else s.lr * update
-        params[...] = self.start
 
     def restart(self, params: Any) -> None:
         """Start the next outer step from ``params`` (after a checkpoint is loaded or weights broadcast)."""

@@ -2,7 +2,8 @@
 outer step, error feedback conserving the pseudo-gradients, H = 1 against
 the per-step DistributedOptimizer, dense DiLoCo against a serial NumPy
 reference, a save and load that resumes to the same bits, and what is
-refused (alike on every rank). A linear layer of 104 parameters in two
+refused (alike on every rank); under overlap, the late outer step against a
+serial reference, conservation, a resume, and a NaN found in flight. A linear layer of 104 parameters in two
 buckets (its weight and its bias), at the default world."""
 from __future__ import annotations
 
@@ -129,20 +130,106 @@ def serial_diloco(start: np.ndarray, ranks: int, every: int, outer_steps: int, i
     outer step (flat as ``weights``: the bias, then the weight)."""
     velocity, starts = np.zeros_like(start), []
     for outer in range(outer_steps):
-        deltas = []
-        for r in range(ranks):
-            b, w = start[:OUT].copy(), start[OUT:].reshape(OUT, IN).copy()
-            for t in range(outer * every, (outer + 1) * every):
-                x, y = batch(3, r, t)
-                residual = x @ w.T + b - y
-                w -= inner_lr * residual.T @ x / BATCH
-                b -= inner_lr * residual.mean(axis=0)
-            deltas.append(start - np.concatenate([b, w.ravel()]))
-        delta = np.mean(deltas, axis=0)
-        velocity = momentum * velocity + delta
-        start = start - lr * (delta + momentum * velocity)
+        delta = np.mean([start - local_sgd(start, 3, r, range(outer * every, (outer + 1) * every), inner_lr)
+                         for r in range(ranks)], axis=0)
+        start, velocity = nesterov(start, velocity, delta, lr, momentum)
         starts.append(start)
     return starts
+
+
+def local_sgd(flat: np.ndarray, seed: int, rank: int, steps: range, lr: float) -> np.ndarray:
+    """``inner_step``'s plain SGD by hand, rank ``rank``'s batches of ``steps``, from ``flat``."""
+    b, w = flat[:OUT].copy(), flat[OUT:].reshape(OUT, IN).copy()
+    for t in steps:
+        x, y = batch(seed, rank, t)
+        residual = x @ w.T + b - y
+        w -= lr * residual.T @ x / BATCH
+        b -= lr * residual.mean(axis=0)
+    return np.concatenate([b, w.ravel()])
+
+
+def nesterov(start: np.ndarray, velocity: np.ndarray, delta: np.ndarray, lr: float, momentum: float):
+    velocity = momentum * velocity + delta
+    return start - lr * (delta + momentum * velocity), velocity
+
+
+def serial_overlap(start: np.ndarray, ranks: int, every: int, outer_steps: int, inner_lr: float, lr: float,
+                   momentum: float) -> list:
+    """The overlapped loop by hand: at each outer step the previous one's
+    mean steps the start, and each rank goes on from the start plus its own
+    progress of the period. After each, (the start, every rank's weights);
+    then ``synchronize()``'s: the pending step and one more of nothing."""
+    velocity, pending, out = np.zeros_like(start), None, []
+    weights = anchors = [start.copy() for _ in range(ranks)]
+    for outer in range(outer_steps):
+        weights = [local_sgd(w, 9, r, range(outer * every, (outer + 1) * every), inner_lr)
+                   for r, w in enumerate(weights)]
+        if pending is not None:
+            start, velocity = nesterov(start, velocity, pending, lr, momentum)
+        progress = [a - w for a, w in zip(anchors, weights)]
+        weights = anchors = [start - d for d in progress]
+        pending = np.mean(progress, axis=0)
+        out.append((start, weights))
+    start, velocity = nesterov(start, velocity, pending, lr, momentum)
+    start, velocity = nesterov(start, velocity, np.zeros_like(start), lr, momentum)
+    return out + [(start, [start] * ranks)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("lr, momentum", [(1.0, 0.0), (0.7, 0.9)])
+def test_overlap_takes_each_outer_step_one_late_as_a_serial_reference_does(topo, lr, momentum):
+    """The start the same bits on every rank after each outer step, each
+    rank's weights its own (the start plus its progress of the period), and
+    after ``synchronize()`` every rank at the same bits: all as the serial
+    reference computes them."""
+    model = model_of(9)
+    outer = sct.OuterLoop(model.named_parameters(), every=3, algorithm="dense", lr=lr, momentum=momentum,
+                          overlap=True, bucket_cap_mb=TINY_CAP, topology=topo)
+    expected = serial_overlap(weights(model), COMM.size, 3, 3, 0.05, lr, momentum)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(9):
+        inner_step(model, inner, 9, step)
+        if outer.step():
+            start, mine = expected[outer.outer_steps - 1][0], expected[outer.outer_steps - 1][1][COMM.rank]
+            got = np.concatenate([b.outer.start.numpy() for b in outer.buckets])
+            assert_identical_bits(COMM, got, "the start")
+            assert_all(COMM, np.allclose(got, start, rtol=1e-10, atol=1e-12) and
+                       np.allclose(weights(model), mine, rtol=1e-10, atol=1e-12),
+                       f"outer step {outer.outer_steps}: the start off by {np.abs(got - start).max()}, "
+                       f"the weights by {np.abs(weights(model) - mine).max()}")
+    distinct = len(set(COMM.allgather(weights(model).tobytes())))
+    assert_all(COMM, distinct == COMM.size, "the ranks' weights alike between outer steps: the test shows nothing")
+    outer.synchronize()
+    assert_identical_bits(COMM, weights(model), "the weights after synchronize()")
+    assert_all(COMM, np.allclose(weights(model), expected[-1][0], rtol=1e-10, atol=1e-12),
+               f"synchronize() off by {np.abs(weights(model) - expected[-1][0]).max()}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_with_error_feedback_conserves_every_rank_s_progress(topo):
+    """hitopk, lr 1, no momentum: after ``synchronize()`` the ranks' progress
+    summed over ranks and periods equals ranks x (first start - last start)
+    plus the residuals summed over ranks."""
+    model = model_of(10)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = sct.OuterLoop(model.named_parameters(), every=2, algorithm="hitopk", density=0.2, selector="exact",
+                          overlap=True, bucket_cap_mb=TINY_CAP, topology=topo)
+    first = anchor = weights(model)
+    sent = np.zeros_like(first)
+    for step in range(7):
+        inner_step(model, inner, 10, step)
+        before = weights(model)
+        if outer.step():
+            sent += anchor - before  # this rank's progress of the period, handed to the reduction
+            anchor = weights(model)
+    sent += anchor - weights(model)  # the last inner step, reduced by synchronize()
+    outer.synchronize()
+    last = weights(model)
+    assert_identical_bits(COMM, last, "the weights after synchronize()")
+    total_sent, kept = COMM.allreduce(sent), COMM.allreduce(residuals(outer))
+    assert_all(COMM, bool(np.abs(kept).max() > 0), "no residual: the test checks nothing")
+    assert_all(COMM, np.allclose(COMM.size * (first - last) + kept, total_sent, rtol=1e-12, atol=1e-12),
+               f"not conserved: {np.abs(COMM.size * (first - last) + kept - total_sent).max()}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -162,12 +249,12 @@ def test_dense_nesterov_is_diloco_as_a_serial_reference_computes_it(topo):
                        f"outer step {outer.outer_steps}: off by {np.abs(got - want).max()}")
 
 
-def resumable_run(topo, seed: int):
+def resumable_run(topo, seed: int, overlap: bool = False):
     """hitopk with a dense= bias (one bucket sparse, one dense), an outer
     momentum (a velocity to carry over) and an inner SGD with momentum."""
     model = model_of(seed, torch.float32)
     outer = sct.OuterLoop(model.named_parameters(), every=3, algorithm="hitopk", density=0.2, dense=["bias"],
-                          lr=0.8, momentum=0.5, bucket_cap_mb=TINY_CAP, topology=topo)
+                          lr=0.8, momentum=0.5, bucket_cap_mb=TINY_CAP, overlap=overlap, topology=topo)
     inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, inner, outer
 
@@ -181,8 +268,11 @@ def saved(*states):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_save_and_load_between_outer_steps_resumes_to_the_same_bits(topo):
-    model, inner, outer = resumable_run(topo, 4)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_save_and_load_between_outer_steps_resumes_to_the_same_bits(topo, overlap):
+    """Under overlap the state is taken with a reduction in flight, and the
+    run that saved it goes on past it to the same bits."""
+    model, inner, outer = resumable_run(topo, 4, overlap)
     for step in range(10):
         inner_step(model, inner, 4, step)
         outer.step()
@@ -191,7 +281,8 @@ def test_a_save_and_load_between_outer_steps_resumes_to_the_same_bits(topo):
     straight = weights(model)
     assert_all(COMM, outer_state["inner_steps"] == 1 and list(outer_state["local"]) == [f"rank{COMM.rank}"],
                "not saved between two outer steps")
-    model, inner, outer = resumable_run(topo, 5)  # other weights, no state
+    assert_all(COMM, ("anchors" in outer_state) == overlap, "anchors saved without overlap, or none with it")
+    model, inner, outer = resumable_run(topo, 5, overlap)  # other weights, no state
     outer.load_state_dict(outer_state)
     inner.load_state_dict(inner_state)
     for step in range(7, 10):
@@ -283,3 +374,26 @@ def test_a_nan_on_one_rank_is_alike_on_every_rank(topo, non_finite):
         nan = np.isnan(got)
         assert_all(COMM, bool(nan[OUT:].all()) and not nan[:OUT].any(), "NaN not where the NaN bucket is")
         assert_identical_bits(COMM, got[:OUT], "the finite bucket")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_raises_a_nan_at_the_next_outer_step_with_every_rank_at_the_start(topo):
+    """Under ``"raise"`` the reduction in flight finds the NaN; the outer step
+    that waits for it raises on every rank, which all go back to the start."""
+    model = model_of(11)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = sct.OuterLoop(model.named_parameters(), every=2, algorithm="hitopk", density=0.2, overlap=True,
+                          bucket_cap_mb=TINY_CAP, non_finite="raise", topology=topo)
+    for step in range(4):
+        inner_step(model, inner, 11, step)
+        if step == 3 and COMM.rank == COMM.size - 1:  # handed to the reduction at this outer step
+            with torch.no_grad():
+                model.weight[1, 2] = float("nan")
+        outer.step()
+    start = np.concatenate([b.outer.start.numpy() for b in outer.buckets])
+    inner_step(model, inner, 11, 4)
+    with pytest.raises(NonFiniteGradientError):
+        outer.synchronize()
+    assert_identical_bits(COMM, weights(model), "the weights after the refused outer step")
+    assert_all(COMM, np.array_equal(weights(model), start) and not np.isnan(start).any(), "not back at the start")
+    assert_all(COMM, outer.inner_steps == 0, f"inner_steps {outer.inner_steps}")

@@ -104,15 +104,16 @@ def build_outer(mode: str, replica: torch.nn.Module, work: Workload, settings: P
     """A local-step mode (``OUTER``): the workload's optimizer on each rank,
     an outer step every ``settings.sync_every`` steps (collective). What it
     sends between nodes is counted on the steps that synchronise."""
-    algorithm, values, lr, momentum = OUTER[mode]
+    algorithm, values, lr, momentum, overlap = OUTER[mode]
     outer = sct.OuterLoop(replica.named_parameters(), settings.sync_every, algorithm=algorithm,
                           density=settings.outer_density or settings.density, selector=settings.selector,
                           values=values, indices="auto" if values and algorithm != "dense" else None, lr=lr,
-                          momentum=momentum, bucket_cap_mb=settings.bucket_cap_mb, topology=topology)
+                          momentum=momentum, bucket_cap_mb=settings.bucket_cap_mb, overlap=overlap,
+                          topology=topology)
 
-    def sent() -> float:
+    def sent() -> float:  # under overlap, the outer step's before, which finished in this one
         synced = outer.inner_steps == 0
-        return float(sum(b.reducer.last["bytes_inter"] for b in outer.buckets)) if synced else 0.0
+        return float(sum(ledger["bytes_inter"] for ledger in outer.ledgers)) if synced else 0.0
 
     return Runner(replica, LocalSteps(work.new_optimizer(replica.parameters()), outer), sent,
-                  outer.settings.describe())
+                  outer.settings.describe() + (", overlapped" if overlap else ""))

@@ -39,11 +39,14 @@ SHARDED = {"fsdp": ("world", None), "hsdp": ("nodes", None), "hsdp_spar_topka": 
            "hsdp_spar_topka_int8": ("node", ("topka", "int8")), "fsdp_per_node": ("node", None)}
 #: Local steps (spar_comm.torch.OuterLoop: an outer step every --sync-every
 #: steps, around the workload's own optimizer), each as (algorithm, value
-#: codec, outer lr, outer momentum): DiLoCo's Nesterov on the dense
+#: codec, outer lr, outer momentum, overlap): DiLoCo's Nesterov on the dense
 #: pseudo-gradient in float32 or int8, and the sparse outer loop, error
-#: feedback alone as SparseLoCo, with hitopk.
-OUTER = {"diloco": ("dense", None, 0.7, 0.9), "diloco_int8": ("dense", "int8", 0.7, 0.9),
-         "local_hitopk": ("hitopk", None, 1.0, 0.0), "local_hitopk_int8": ("hitopk", "int8", 1.0, 0.0)}
+#: feedback alone as SparseLoCo, with hitopk; ``_overlap``: the reduction
+#: runs while the next period computes, its step taken one outer step late.
+OUTER = {"diloco": ("dense", None, 0.7, 0.9, False), "diloco_int8": ("dense", "int8", 0.7, 0.9, False),
+         "diloco_int8_overlap": ("dense", "int8", 0.7, 0.9, True),
+         "local_hitopk": ("hitopk", None, 1.0, 0.0, False), "local_hitopk_int8": ("hitopk", "int8", 1.0, 0.0, False),
+         "local_hitopk_int8_overlap": ("hitopk", "int8", 1.0, 0.0, True)}
 MODES = (*PEERS, *SPAR, "spar_hook", *OVER_TORCH, *SHARDED, *OUTER, "no_comm")
 #: The modes a job that torchrun launched runs: no MPI, and no peer forked
 #: from a process whose gloo group already runs threads.

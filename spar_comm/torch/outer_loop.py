@@ -17,11 +17,20 @@ bits everywhere. The buckets, their allreducers, ``auto``'s pricing and the
 non-finite rule are the torch engine's (``engine.py``), as for
 ``DistributedOptimizer``; the reductions run on the caller's thread, in
 bucket order, once every ``every`` calls.
+
+With ``overlap=True`` (Streaming DiLoCo's overlap, arXiv 2501.18512) the
+reductions run on a thread of their own while the next period's inner steps
+compute, and their outer step is taken one outer step late: at each outer
+step a rank waits for the previous one's mean, steps the start with it, and
+goes on from the start plus its own progress of the period just ended, which
+it hands to the reduction. The start is the same bits on every rank; the
+weights are each rank's own until ``synchronize()``.
 """
 from __future__ import annotations
 
 import hashlib
 import numbers
+import threading
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,6 +43,7 @@ from ..outer import OuterSettings, OuterStep
 from ..topology import Topology
 from . import buckets
 from .broadcast import broadcast_parameters
+from .comm_thread import CommThread
 from .engine import Engine, EngineOwner, reduction_of
 from .state import (bucket_residual_entries, bucket_residuals, choice_problem, format_problem, own_residuals,
                     rank_key)
@@ -99,10 +109,14 @@ class _OuterBucket(buckets.FlatBucket):
     reads the pseudo-gradient from the flat buffer), and the outer step's
     state of the bucket (``OuterStep``: the start and the velocity)."""
 
-    def __init__(self, entries: List[Tuple[str, torch.Tensor]], reducer: Allreducer, settings: OuterSettings):
+    def __init__(self, entries: List[Tuple[str, torch.Tensor]], reducer: Allreducer, settings: OuterSettings,
+                 overlap: bool):
         super().__init__(entries, reducer)
         self.gather()
         self.outer = OuterStep(settings, self.flat)  # a copy: the start, alike on every rank after the broadcast
+        # The weights this period began from: the start itself, or under overlap
+        # this rank's own, the start plus its progress still being reduced.
+        self.anchor = self.outer.start.clone() if overlap else self.outer.start
 
     def gather(self) -> None:
         """This rank's weights into the flat buffer."""
@@ -117,9 +131,26 @@ class _OuterBucket(buckets.FlatBucket):
             start += p.numel()
 
     def pseudo_gradient(self) -> None:
-        """``start - weights`` into the flat buffer (``OuterStep.pseudo_gradient``, in place)."""
+        """``anchor - weights``, this period's progress, into the flat buffer
+        (``OuterStep.pseudo_gradient``, in place)."""
         self.gather()
-        torch.sub(self.outer.start, self.flat, out=self.flat)
+        torch.sub(self.anchor, self.flat, out=self.flat)
+
+    def restart(self) -> None:
+        """The parameters and the anchor at the start, as every rank holds it."""
+        if self.anchor is not self.outer.start:
+            self.anchor.copy_(self.outer.start)
+        self.scatter(self.outer.start)
+
+
+class _Reduction:
+    """One outer step's reductions on the loop's thread: done when set, with
+    the CUDA event they finished on and the errors raised on every rank."""
+
+    def __init__(self, produced: Any):
+        self.produced, self.finished, self.errors = produced, None, []
+        self.ledgers: List[Dict[str, float]] = []
+        self.done = threading.Event()
 
 
 class OuterLoop(EngineOwner):
@@ -145,13 +176,18 @@ class OuterLoop(EngineOwner):
             of steps.
         bucket_cap_mb, dense: the buckets, as for ``DistributedOptimizer``
             (``dense``: names or tensors never sparsified).
+        overlap: reduce each outer step's pseudo-gradient on a thread while
+            the next period's inner steps compute, and take its outer step one
+            outer step late (see the module's docstring). Between outer steps
+            each rank's weights are its own; ``synchronize()`` takes the
+            pending step and one more, and gives every rank the same bits.
         non_finite: a NaN or Inf in any rank's pseudo-gradient:
             ``"propagate"`` makes its bucket's mean NaN on every rank, applied
             as it is (the weights and the outer state of the bucket NaN alike,
             as a NaN mean gradient makes them); ``"raise"``:
             NonFiniteGradientError from ``step()`` on every rank, the outer
-            step skipped: every rank back at the weights the period began from,
-            residuals as they were.
+            step skipped: every rank back at the start (the weights the period
+            began from, without overlap), residuals as they were.
         topology, process_group, transport: the ranks, as for
             ``DistributedOptimizer``: torch.distributed's group when it is
             initialised, else MPI's world.
@@ -174,8 +210,9 @@ class OuterLoop(EngineOwner):
                  density: float = 0.02, lr: float = OuterSettings.lr, momentum: float = OuterSettings.momentum,
                  nesterov: bool = OuterSettings.nesterov, selector: str = "mstopk", values: Optional[str] = None,
                  indices: Optional[str] = None, error_feedback: bool = True, non_finite: str = "propagate",
-                 bucket_cap_mb: float = 25, dense: Sequence[Any] = (), topology: Optional[Topology] = None,
-                 process_group: Any = None, transport: Optional[str] = None, **options: Any):
+                 bucket_cap_mb: float = 25, dense: Sequence[Any] = (), overlap: bool = False,
+                 topology: Optional[Topology] = None, process_group: Any = None, transport: Optional[str] = None,
+                 **options: Any):
         comm = topology.world if topology is not None else job_comm(process_group, transport)
         require_job_world(comm, "spar_comm.torch.OuterLoop")
         reduction = reduction_of(algorithm, non_finite, options, density=density, selector=selector,
@@ -183,11 +220,13 @@ class OuterLoop(EngineOwner):
         given, problem = named_tensors(named_parameters)
         named = [(name, p) for name, p in given if p.requires_grad]
         problem = problem or outer_problem(every, lr, momentum, nesterov) or reduction.problem()
+        if not isinstance(overlap, bool):
+            problem = problem or f"overlap must be True or False, got {overlap!r}"
         problem = problem or buckets.settings_problem(named, tuple(dense), bucket_cap_mb, 1)
         raise_if_any(comm, problem)
         dense_names = [d if isinstance(d, str) else f"tensor{tuple(d.shape)}" for d in dense]
         plan = {"every": int(every), "lr": lr, "momentum": momentum, "nesterov": nesterov,
-                "bucket_cap_mb": bucket_cap_mb, "dense": dense_names}
+                "bucket_cap_mb": bucket_cap_mb, "dense": dense_names, "overlap": overlap}
         require_same(comm, "OuterLoop settings", {**reduction.agreed(), **plan})
         if topology is None:
             topology = Topology(comm, device="gpu" if named[0][1].device.type == "cuda" else "cpu")
@@ -201,9 +240,15 @@ class OuterLoop(EngineOwner):
         self.settings = OuterSettings(int(every), float(lr), float(momentum), nesterov)
         with torch.no_grad():
             for entries, reducer in self._engine.make_buckets(topology, named, tuple(dense), bucket_cap_mb):
-                self.buckets.append(_OuterBucket(entries, reducer, self.settings))
+                self.buckets.append(_OuterBucket(entries, reducer, self.settings, overlap))
         self.inner_steps = 0  # calls of step() since the last outer step
         self.outer_steps = 0
+        self.overlap = overlap
+        #: The allreducers' ledgers (``Allreducer.last``: bytes, times) of the
+        #: last outer step whose reductions finished, one a bucket.
+        self.ledgers: List[Dict[str, float]] = []
+        self._thread = CommThread("spar_comm-outer-loop", self._reduce) if overlap else None
+        self._in_flight: Optional[_Reduction] = None
 
     @property
     def every(self) -> int:
@@ -213,27 +258,32 @@ class OuterLoop(EngineOwner):
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> bool:
         """Count an inner step; on every ``every``-th, take the outer step
-        (``synchronize``). True where it did. Call it after the inner
-        optimizer's ``step()``, as often on every rank."""
+        (``synchronize``, or under overlap the late one). True where it did.
+        Call it after the inner optimizer's ``step()``, as often on every rank."""
         self.inner_steps += 1
         if self.inner_steps < self.every:
             return False
-        self.synchronize()
+        if self.overlap:
+            self._step_late()
+        else:
+            self.synchronize()
         return True
 
     def synchronize(self) -> None:
         """The outer step now, whatever the count (at the end of training, or
         before an evaluation that needs every rank alike): each bucket's
         pseudo-gradient reduced in bucket order, then the outer optimizer
-        applied to the start, which every rank's parameters become. Collective.
+        applied to the start, which every rank's parameters become (under
+        overlap, after the pending outer step). Collective.
 
         Raises:
             NonFiniteGradientError: under ``non_finite="raise"``, on every rank
                 alike; SparCommError for any other reduction refused on every
                 rank (a density past ``max_density``). The outer step is then
-                skipped: every rank's weights go back to the start of the
-                period, residuals as they were."""
+                skipped: every rank's weights go back to the start, residuals
+                as they were."""
         with torch.no_grad():
+            self._finish()
             for bucket in self.buckets:
                 bucket.pseudo_gradient()
             produced = self._streams.produced()
@@ -245,17 +295,66 @@ class OuterLoop(EngineOwner):
                     finished = self._streams.finished()
             except SparCommError:  # raised on every rank alike
                 self._engine.end_step()  # the residuals as the step found them, where it overflowed
-                for bucket in self.buckets:
-                    bucket.scatter(bucket.outer.start)
-                self.inner_steps = 0
+                self._restart()
                 raise
             self._streams.consume(finished)
             self._engine.end_step()
+            self.ledgers = [dict(bucket.reducer.last) for bucket in self.buckets]
             for bucket in self.buckets:
-                bucket.outer.apply(bucket.flat, bucket.flat)  # the reduced pseudo-gradient, then the new start
-                bucket.scatter(bucket.flat)
+                bucket.outer.step(bucket.flat)  # the reduced pseudo-gradient
+                bucket.restart()
         self.inner_steps = 0
         self.outer_steps += 1
+
+    def _step_late(self) -> None:
+        """Under overlap: the previous outer step's mean onto the start, this
+        rank's weights the start plus its progress of the period, and that
+        progress handed to the thread's reduction."""
+        with torch.no_grad():
+            self._finish()
+            for bucket in self.buckets:
+                bucket.pseudo_gradient()  # anchor - weights, for the thread to reduce
+                torch.sub(bucket.outer.start, bucket.flat, out=bucket.anchor)
+                bucket.scatter(bucket.anchor)
+            self._in_flight = _Reduction(self._streams.produced())
+            self._thread.put(self._in_flight)
+        self.inner_steps = 0
+        self.outer_steps += 1
+
+    def _reduce(self, job: _Reduction) -> None:
+        """The thread's work: every bucket's pseudo-gradient reduced in place, in bucket order."""
+        try:
+            with self._engine.job("the outer loop's reduction"):
+                self._engine.begin_step([bucket.reducer for bucket in self.buckets])
+                with self._streams.communicating([] if job.produced is None else [job.produced]):
+                    for bucket in self.buckets:
+                        self._engine.reduce(bucket.reducer, bucket.flat, bucket.reducer.buffer)
+                    job.finished = self._streams.finished()
+            job.errors = self._engine.end_step()
+            job.ledgers = [dict(bucket.reducer.last) for bucket in self.buckets]
+        finally:
+            job.done.set()
+
+    def _finish(self) -> None:
+        """Under overlap, wait for the reduction in flight and step the start
+        with its mean; where it raised (on every rank alike), every rank goes
+        back to the start and the error is raised here."""
+        job, self._in_flight = self._in_flight, None
+        if job is None:
+            return
+        job.done.wait()
+        self._streams.consume(job.finished)
+        if job.errors:
+            self._restart()
+            raise job.errors[0]
+        self.ledgers = job.ledgers
+        for bucket in self.buckets:
+            bucket.outer.step(bucket.flat)
+
+    def _restart(self) -> None:
+        for bucket in self.buckets:
+            bucket.restart()
+        self.inner_steps = 0
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -267,14 +366,19 @@ class OuterLoop(EngineOwner):
         its rank's key: ``residuals["rank{r}"]`` (as
         ``DistributedOptimizer``'s) and ``local["rank{r}"]``, copies of its
         weights (its own between two outer steps), which ``load_state_dict``
-        gives back to the parameters.
+        gives back to the parameters. Under overlap, ``anchors["rank{r}"]``
+        too, the weights its period began from; the reduction in flight is
+        waited for and its outer step taken first (on the start alone, where
+        the next outer step would take it: the same bits).
 
         Local. Each rank saves and loads its own: ``torch.save`` to a file a
         rank, or ``torch.distributed.checkpoint`` (``sct.save_checkpoint``) of
         every rank's state, which keeps each rank's keys apart. Save the
         inner optimizer's state beside it."""
         with torch.no_grad():
+            self._finish()
             local = tuple(torch.cat([p.detach().reshape(-1) for p in bucket.params]) for bucket in self.buckets)
+        anchors = {"anchors": {rank_key(self._comm.rank): tuple(b.anchor.clone() for b in self.buckets)}}
         return {
             "format": OUTER_STATE_FORMAT,
             "world_size": self._comm.size,
@@ -289,14 +393,20 @@ class OuterLoop(EngineOwner):
             "residuals": {rank_key(self._comm.rank): bucket_residual_entries(
                 [bucket.reducer for bucket in self.buckets], self._engine.scale)},
             "local": {rank_key(self._comm.rank): local},
+            **(anchors if self.overlap else {}),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what this rank's ``state_dict()`` returned, in a job of the
         same number of ranks and buckets: the outer state, this rank's
         residuals, the counts and the density, and the parameters (this
-        rank's weights as saved). A resume goes on to the same bits as a run that never stopped
-        (with the inner optimizer's state loaded too).
+        rank's weights as saved). A resume goes on to the same bits as a run
+        that never stopped (with the inner optimizer's state loaded too).
+        Under overlap the reduction in flight is waited for and its outer
+        step taken first, whether the state is taken or refused; a state
+        saved without overlap began its period at the start, and one saved
+        with it loads without too, each rank's progress since the start then
+        reduced at the next outer step.
 
         Raises:
             ConfigError: on every rank, before anything is loaded, where any
@@ -304,6 +414,8 @@ class OuterLoop(EngineOwner):
                 number of ranks (refused: see ``OUTER_OTHER_WORLD``), other
                 buckets, another rank's residuals, or outer states that differ
                 between ranks. Collective."""
+        with torch.no_grad():
+            self._finish()  # before any collective of this thread's: the reduction in flight uses the same comms
         problem = format_problem(state, OUTER_STATE_FORMAT, self._comm.size, "the outer loop's state",
                                  "spar_comm.torch.OuterLoop.state_dict()", OUTER_OTHER_WORLD)
         residuals: List = []
@@ -315,8 +427,11 @@ class OuterLoop(EngineOwner):
             problem = choice_problem(state.get("algorithms"), [bucket.reducer.name for bucket in self.buckets])
         outer: List[Tuple[torch.Tensor, torch.Tensor]] = []
         local: Any = ()
+        anchors: Any = None
         if problem is None:
             outer, local, problem = self._outer_state(state)
+        if problem is None and self.overlap and "anchors" in state:
+            anchors, problem = self._own_flats(state, "anchors", "anchors (the weights its period began from)")
         digest = None
         if problem is None:  # what every rank must hold alike after the load
             sha = hashlib.sha256(repr((state["inner_steps"], float(state["density"]))).encode())
@@ -335,6 +450,9 @@ class OuterLoop(EngineOwner):
             for i, (bucket, (start, velocity)) in enumerate(zip(self.buckets, outer)):
                 bucket.outer.start.copy_(start)
                 bucket.outer.velocity.copy_(velocity)
+                bucket.restart()
+                if anchors is not None:
+                    bucket.anchor.copy_(anchors[i])
                 bucket.scatter(local[i])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state.get("outer_steps", 0))
         self.density = float(state["density"])
@@ -357,12 +475,16 @@ class OuterLoop(EngineOwner):
                     return [], (), f"{what}'s {name} of bucket {i} is not a tensor of its {bucket.flat.numel()} values"
                 pair.append(tensor)
             outer.append(tuple(pair))
-        local, problem = own_residuals(state.get("local"), self._comm.rank, self._comm.size, f"{what}'s local weights")
+        local, problem = self._own_flats(state, "local", "local weights")
+        return (outer, local, None) if problem is None else ([], (), problem)
+
+    def _own_flats(self, state: Dict[str, Any], key: str, what: str) -> Tuple[Any, Optional[str]]:
+        """This rank's entry of ``state[key]``, a flat tensor a bucket, or why not."""
+        flats, problem = own_residuals(state.get(key), self._comm.rank, self._comm.size, f"the outer loop's {what}")
         if problem is not None:
-            return [], (), problem
+            return None, problem
         sizes = [bucket.flat.numel() for bucket in self.buckets]
-        fits = isinstance(local, (tuple, list)) and [
-            t.numel() if isinstance(t, torch.Tensor) else -1 for t in local] == sizes
-        if not fits:
-            return [], (), f"{what}'s local weights of this rank are not {len(sizes)} flat tensors of its buckets"
-        return outer, local, None
+        if not isinstance(flats, (tuple, list)) or [t.numel() if isinstance(t, torch.Tensor) else -1
+                                                     for t in flats] != sizes:
+            return None, f"the outer loop's {what} of this rank are not {len(sizes)} flat tensors of its buckets"
+        return flats, None
