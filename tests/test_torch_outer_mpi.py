@@ -181,11 +181,15 @@ def test_overlap_takes_each_outer_step_one_late_as_a_serial_reference_does(topo,
     """The start the same bits on every rank after each outer step, each
     rank's weights its own (the start plus its progress of the period), and
     after ``synchronize()`` every rank at the same bits: all as the serial
-    reference computes them."""
+    reference computes them. The reductions, on their thread, use
+    communicators of their own."""
     model = model_of(9)
     outer = sct.OuterLoop(model.named_parameters(), every=3, algorithm="dense", lr=lr, momentum=momentum,
                           overlap=True, bucket_cap_mb=TINY_CAP, topology=topo)
     expected = serial_overlap(weights(model), COMM.size, 3, 3, 0.05, lr, momentum)
+    ours = [outer.topology.world, *(b.reducer.topology.world for b in outer.buckets)]
+    assert_all(COMM, all(comm not in (topo.world, COMM) for comm in ours),
+               "the thread's reductions share the caller's communicators")  # its collectives would meet theirs
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(9):
         inner_step(model, inner, 9, step)

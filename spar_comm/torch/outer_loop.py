@@ -232,8 +232,10 @@ class OuterLoop(EngineOwner):
             topology = Topology(comm, device="gpu" if named[0][1].device.type == "cuda" else "cpu")
         raise_if_any(topology.world, buckets.device_problem(named, topology.memory))
         broadcast_parameters(given, comm=topology.world)  # every rank starts from rank 0's weights
-        self.reduction, self.topology, self.plan = reduction, topology, plan
         self._comm = topology.world
+        if overlap:  # communicators of its own, that the thread's reductions alone use (collective)
+            topology = Topology(topology.world, topology.emulated_ranks_per_node, topology.memory.name)
+        self.reduction, self.topology, self.plan = reduction, topology, plan
         self._engine = Engine(reduction, topology.world)
         self._streams = streams_for(topology.memory)
         self.buckets: List[_OuterBucket] = []
