@@ -33,7 +33,8 @@ step, its mean counts the outer step every H rounds (time whole periods:
                      (spar_comm.torch.OuterLoop): DiLoCo's Nesterov (lr 0.7, momentum 0.9) on the
                      dense pseudo-gradient; _int8: in int8 blocks
   local_hitopk       ... the sparse outer loop: hitopk at --outer-density with error feedback alone
-                     (SparseLoCo's lr 1, no momentum); _int8: with int8 values
+                     (SparseLoCo's lr 1, no momentum); _int8: with int8 values; _int8_overlap
+                     (and diloco_int8_overlap): the reduction beside the next --overlap-steps
   no_comm            the same step with no communication: the floor
 
 The sharded modes run in the rank's own process over torch.distributed's
@@ -156,6 +157,9 @@ def parse_args(argv=None) -> Tuple[argparse.Namespace, Callable[..., Workload]]:
                         help="the local-step modes' period: an outer step every H steps (default: %(default)s)")
     common.add_argument("--outer-density", type=density, default=None,
                         help="the sparse local-step modes' share of the pseudo-gradient sent (default: --density)")
+    common.add_argument("--overlap-steps", type=positive_int, default=1, metavar="TAU",
+                        help="the _overlap modes: the inner steps each outer reduction runs beside before its mean "
+                             "is taken, 1 to --sync-every (default: %(default)s)")
     common.add_argument("--inject-failure", choices=PEERS, metavar="MODE",
                         help="make this peer's process abort on the last rank in its first timed step, "
                              "to show that a failing peer is reported and blocks nothing")

@@ -153,45 +153,54 @@ def nesterov(start: np.ndarray, velocity: np.ndarray, delta: np.ndarray, lr: flo
     return start - lr * (delta + momentum * velocity), velocity
 
 
-def serial_overlap(start: np.ndarray, ranks: int, every: int, outer_steps: int, inner_lr: float, lr: float,
+def serial_overlap(start: np.ndarray, ranks: int, every: int, tau: int, steps: int, inner_lr: float, lr: float,
                    momentum: float) -> list:
-    """The overlapped loop by hand: at each outer step the previous one's
-    mean steps the start, and each rank goes on from the start plus its own
-    progress of the period. After each, (the start, every rank's weights);
-    then ``synchronize()``'s: the pending step and one more of nothing."""
+    """The overlapped loop by hand: at an outer step each rank's progress
+    since its anchor goes to the reduction and its anchor becomes its
+    weights; ``tau`` inner steps later the mean steps the start, and each
+    rank takes the start plus its progress since its anchor. After each
+    outer step, (the start, every rank's weights); then ``synchronize()``'s:
+    the pending mean, and one more outer step."""
     velocity, pending, out = np.zeros_like(start), None, []
-    weights = anchors = [start.copy() for _ in range(ranks)]
-    for outer in range(outer_steps):
-        weights = [local_sgd(w, 9, r, range(outer * every, (outer + 1) * every), inner_lr)
-                   for r, w in enumerate(weights)]
-        if pending is not None:
-            start, velocity = nesterov(start, velocity, pending, lr, momentum)
-        progress = [a - w for a, w in zip(anchors, weights)]
-        weights = anchors = [start - d for d in progress]
-        pending = np.mean(progress, axis=0)
-        out.append((start, weights))
-    start, velocity = nesterov(start, velocity, pending, lr, momentum)
-    start, velocity = nesterov(start, velocity, np.zeros_like(start), lr, momentum)
+    weights, anchors = [start.copy() for _ in range(ranks)], [start.copy() for _ in range(ranks)]
+
+    def merge(start, velocity, weights):
+        start, velocity = nesterov(start, velocity, pending, lr, momentum)
+        return start, velocity, [w - a + start for w, a in zip(weights, anchors)], [start] * ranks
+
+    for t in range(steps):
+        weights = [local_sgd(w, 9, r, range(t, t + 1), inner_lr) for r, w in enumerate(weights)]
+        if (t + 1) % every == tau % every and pending is not None:
+            start, velocity, weights, anchors = merge(start, velocity, weights)
+            pending = None
+        if (t + 1) % every == 0:
+            pending = np.mean([a - w for a, w in zip(anchors, weights)], axis=0)
+            anchors = [w.copy() for w in weights]
+            out.append((start, weights))
+    if pending is not None:
+        start, velocity, weights, anchors = merge(start, velocity, weights)
+    start, velocity = nesterov(start, velocity, np.mean([a - w for a, w in zip(anchors, weights)], axis=0),
+                               lr, momentum)
     return out + [(start, [start] * ranks)]
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("lr, momentum", [(1.0, 0.0), (0.7, 0.9)])
-def test_overlap_takes_each_outer_step_one_late_as_a_serial_reference_does(topo, lr, momentum):
+@pytest.mark.parametrize("lr, momentum, tau", [(1.0, 0.0, 3), (0.7, 0.9, 1)])
+def test_overlap_takes_each_mean_tau_steps_late_as_a_serial_reference_does(topo, lr, momentum, tau):
     """The start the same bits on every rank after each outer step, each
-    rank's weights its own (the start plus its progress of the period), and
-    after ``synchronize()`` every rank at the same bits: all as the serial
-    reference computes them. The reductions, on their thread, use
-    communicators of their own."""
+    rank's weights its own (the start plus its progress since the outer
+    step), and after ``synchronize()`` every rank at the same bits: all as
+    the serial reference computes them. The reductions, on their thread,
+    use communicators of their own."""
     model = model_of(9)
     outer = sct.OuterLoop(model.named_parameters(), every=3, algorithm="dense", lr=lr, momentum=momentum,
-                          overlap=True, bucket_cap_mb=TINY_CAP, topology=topo)
-    expected = serial_overlap(weights(model), COMM.size, 3, 3, 0.05, lr, momentum)
+                          overlap=tau, bucket_cap_mb=TINY_CAP, topology=topo)
     ours = [outer.topology.world, *(b.reducer.topology.world for b in outer.buckets)]
     assert_all(COMM, all(comm not in (topo.world, COMM) for comm in ours),
                "the thread's reductions share the caller's communicators")  # its collectives would meet theirs
+    expected = serial_overlap(weights(model), COMM.size, 3, tau, 10, 0.05, lr, momentum)
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(9):
+    for step in range(10):
         inner_step(model, inner, 9, step)
         if outer.step():
             start, mine = expected[outer.outer_steps - 1][0], expected[outer.outer_steps - 1][1][COMM.rank]
@@ -211,22 +220,22 @@ def test_overlap_takes_each_outer_step_one_late_as_a_serial_reference_does(topo,
 
 @pytest.mark.mpi(min_size=2)
 def test_overlap_with_error_feedback_conserves_every_rank_s_progress(topo):
-    """hitopk, lr 1, no momentum: after ``synchronize()`` the ranks' progress
-    summed over ranks and periods equals ranks x (first start - last start)
-    plus the residuals summed over ranks."""
+    """hitopk, lr 1, no momentum, the mean taken an inner step late: after
+    ``synchronize()`` what the inner steps took off the weights, summed over
+    ranks, equals ranks x (first start - last start) plus the residuals
+    summed over ranks (taking a mean leaves a rank's weights less its anchor
+    as they were)."""
     model = model_of(10)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = sct.OuterLoop(model.named_parameters(), every=2, algorithm="hitopk", density=0.2, selector="exact",
-                          overlap=True, bucket_cap_mb=TINY_CAP, topology=topo)
-    first = anchor = weights(model)
+                          overlap=1, bucket_cap_mb=TINY_CAP, topology=topo)
+    first = weights(model)
     sent = np.zeros_like(first)
     for step in range(7):
-        inner_step(model, inner, 10, step)
         before = weights(model)
-        if outer.step():
-            sent += anchor - before  # this rank's progress of the period, handed to the reduction
-            anchor = weights(model)
-    sent += anchor - weights(model)  # the last inner step, reduced by synchronize()
+        inner_step(model, inner, 10, step)
+        sent += before - weights(model)  # this rank's pseudo-gradient, inner step by inner step
+        outer.step()
     outer.synchronize()
     last = weights(model)
     assert_identical_bits(COMM, last, "the weights after synchronize()")
@@ -253,7 +262,7 @@ def test_dense_nesterov_is_diloco_as_a_serial_reference_computes_it(topo):
                        f"outer step {outer.outer_steps}: off by {np.abs(got - want).max()}")
 
 
-def resumable_run(topo, seed: int, overlap: bool = False):
+def resumable_run(topo, seed: int, overlap: int = 0):
     """hitopk with a dense= bias (one bucket sparse, one dense), an outer
     momentum (a velocity to carry over) and an inner SGD with momentum."""
     model = model_of(seed, torch.float32)
@@ -272,10 +281,11 @@ def saved(*states):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [0, 2])
 def test_a_save_and_load_between_outer_steps_resumes_to_the_same_bits(topo, overlap):
-    """Under overlap the state is taken with a reduction in flight, and the
-    run that saved it goes on past it to the same bits."""
+    """Under overlap the state is taken with a reduction in flight, whose
+    mean the weights take a step later, and the run that saved it goes on
+    past it to the same bits."""
     model, inner, outer = resumable_run(topo, 4, overlap)
     for step in range(10):
         inner_step(model, inner, 4, step)
@@ -285,7 +295,7 @@ def test_a_save_and_load_between_outer_steps_resumes_to_the_same_bits(topo, over
     straight = weights(model)
     assert_all(COMM, outer_state["inner_steps"] == 1 and list(outer_state["local"]) == [f"rank{COMM.rank}"],
                "not saved between two outer steps")
-    assert_all(COMM, ("anchors" in outer_state) == overlap, "anchors saved without overlap, or none with it")
+    assert_all(COMM, outer_state.get("unmerged", False) == bool(overlap), "no mean pending in the state")
     model, inner, outer = resumable_run(topo, 5, overlap)  # other weights, no state
     outer.load_state_dict(outer_state)
     inner.load_state_dict(inner_state)
@@ -337,6 +347,8 @@ def error_of(make) -> str:
     ({"lr": "fast"}, "outer lr must be a number"),
     ({"every": 2 + COMM.rank}, "ranks disagree on the OuterLoop settings: every"),
     ({"algorithm": "nope"}, "nope"),
+    ({"overlap": 4}, r"overlap must be 0 or the inner steps in \[1, every=3\] .* got 4"),
+    ({"overlap": True}, "overlap must be 0 or the inner steps .* got True"),
 ])
 def test_a_bad_setting_raises_the_same_config_error_on_every_rank(topo, setting, match):
     model = model_of(7)
@@ -386,7 +398,7 @@ def test_overlap_raises_a_nan_at_the_next_outer_step_with_every_rank_at_the_star
     that waits for it raises on every rank, which all go back to the start."""
     model = model_of(11)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = sct.OuterLoop(model.named_parameters(), every=2, algorithm="hitopk", density=0.2, overlap=True,
+    outer = sct.OuterLoop(model.named_parameters(), every=2, algorithm="hitopk", density=0.2, overlap=2,
                           bucket_cap_mb=TINY_CAP, non_finite="raise", topology=topo)
     for step in range(4):
         inner_step(model, inner, 11, step)

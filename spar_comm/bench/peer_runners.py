@@ -108,12 +108,12 @@ def build_outer(mode: str, replica: torch.nn.Module, work: Workload, settings: P
     outer = sct.OuterLoop(replica.named_parameters(), settings.sync_every, algorithm=algorithm,
                           density=settings.outer_density or settings.density, selector=settings.selector,
                           values=values, indices="auto" if values and algorithm != "dense" else None, lr=lr,
-                          momentum=momentum, bucket_cap_mb=settings.bucket_cap_mb, overlap=overlap,
-                          topology=topology)
+                          momentum=momentum, bucket_cap_mb=settings.bucket_cap_mb,
+                          overlap=settings.overlap_steps if overlap else 0, topology=topology)
 
     def sent() -> float:  # under overlap, the outer step's before, which finished in this one
         synced = outer.inner_steps == 0
         return float(sum(ledger["bytes_inter"] for ledger in outer.ledgers)) if synced else 0.0
 
     return Runner(replica, LocalSteps(work.new_optimizer(replica.parameters()), outer), sent,
-                  outer.settings.describe() + (", overlapped" if overlap else ""))
+                  outer.settings.describe() + (f", the mean taken {outer.overlap} inner steps late" if overlap else ""))

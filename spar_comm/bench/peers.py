@@ -39,10 +39,10 @@ SHARDED = {"fsdp": ("world", None), "hsdp": ("nodes", None), "hsdp_spar_topka": 
            "hsdp_spar_topka_int8": ("node", ("topka", "int8")), "fsdp_per_node": ("node", None)}
 #: Local steps (spar_comm.torch.OuterLoop: an outer step every --sync-every
 #: steps, around the workload's own optimizer), each as (algorithm, value
-#: codec, outer lr, outer momentum, overlap): DiLoCo's Nesterov on the dense
-#: pseudo-gradient in float32 or int8, and the sparse outer loop, error
+#: codec, outer lr, outer momentum, overlapped): DiLoCo's Nesterov on the
+#: dense pseudo-gradient in float32 or int8, and the sparse outer loop, error
 #: feedback alone as SparseLoCo, with hitopk; ``_overlap``: the reduction
-#: runs while the next period computes, its step taken one outer step late.
+#: runs beside the next ``overlap_steps`` inner steps, its mean taken after them.
 OUTER = {"diloco": ("dense", None, 0.7, 0.9, False), "diloco_int8": ("dense", "int8", 0.7, 0.9, False),
          "diloco_int8_overlap": ("dense", "int8", 0.7, 0.9, True),
          "local_hitopk": ("hitopk", None, 1.0, 0.0, False), "local_hitopk_int8": ("hitopk", "int8", 1.0, 0.0, False),
@@ -66,7 +66,9 @@ class PeerSettings:
     PowerSGD's projections, held-out evaluations every ``eval_every`` rounds
     and their ``targets``, how long a peer may stay silent, the peer made
     to fail (``inject_failure``), and the local-step modes' period
-    (``sync_every``) and density (``outer_density``, default ``density``)."""
+    (``sync_every``), density (``outer_density``, default ``density``) and,
+    for the ``_overlap`` ones, the inner steps the reduction runs beside
+    (``overlap_steps``)."""
 
     modes: Sequence[str]
     density: float
@@ -84,6 +86,7 @@ class PeerSettings:
     inject_failure: Optional[str]
     sync_every: int = 8
     outer_density: Optional[float] = None
+    overlap_steps: int = 1
 
 
 def over_mpi(mode: str) -> str:

@@ -18,12 +18,12 @@ non-finite rule are the torch engine's (``engine.py``), as for
 ``DistributedOptimizer``; the reductions run on the caller's thread, in
 bucket order, once every ``every`` calls.
 
-With ``overlap=True`` (Streaming DiLoCo's overlap, arXiv 2501.18512) the
-reductions run on a thread of their own while the next period's inner steps
-compute, and their outer step is taken one outer step late: at each outer
-step a rank waits for the previous one's mean, steps the start with it, and
-goes on from the start plus its own progress of the period just ended, which
-it hands to the reduction. The start is the same bits on every rank; the
+With ``overlap=tau`` (Streaming DiLoCo's overlap, arXiv 2501.18512) the
+reductions run on a thread of their own while the next ``tau`` inner steps
+compute: at an outer step a rank hands its pseudo-gradient to the thread and
+goes on from its own weights; ``tau`` inner steps later it waits for the
+mean, steps the start with it, and takes the start plus its own progress
+since the outer step. The start is the same bits on every rank; the
 weights are each rank's own until ``synchronize()``.
 """
 from __future__ import annotations
@@ -110,12 +110,12 @@ class _OuterBucket(buckets.FlatBucket):
     state of the bucket (``OuterStep``: the start and the velocity)."""
 
     def __init__(self, entries: List[Tuple[str, torch.Tensor]], reducer: Allreducer, settings: OuterSettings,
-                 overlap: bool):
+                 overlap: int):
         super().__init__(entries, reducer)
         self.gather()
         self.outer = OuterStep(settings, self.flat)  # a copy: the start, alike on every rank after the broadcast
-        # The weights this period began from: the start itself, or under overlap
-        # this rank's own, the start plus its progress still being reduced.
+        # What this rank's progress is counted from: the start itself, or under
+        # overlap its own weights at the last outer step until the mean is merged.
         self.anchor = self.outer.start.clone() if overlap else self.outer.start
 
     def gather(self) -> None:
@@ -141,6 +141,14 @@ class _OuterBucket(buckets.FlatBucket):
         if self.anchor is not self.outer.start:
             self.anchor.copy_(self.outer.start)
         self.scatter(self.outer.start)
+
+    def merge(self) -> None:
+        """Under overlap, once the start took the mean: this rank's weights the
+        start plus its progress since the anchor, counted from the start on."""
+        self.gather()
+        self.flat.sub_(self.anchor).add_(self.outer.start)
+        self.scatter(self.flat)
+        self.anchor.copy_(self.outer.start)
 
 
 class _Reduction:
@@ -176,11 +184,12 @@ class OuterLoop(EngineOwner):
             of steps.
         bucket_cap_mb, dense: the buckets, as for ``DistributedOptimizer``
             (``dense``: names or tensors never sparsified).
-        overlap: reduce each outer step's pseudo-gradient on a thread while
-            the next period's inner steps compute, and take its outer step one
-            outer step late (see the module's docstring). Between outer steps
-            each rank's weights are its own; ``synchronize()`` takes the
-            pending step and one more, and gives every rank the same bits.
+        overlap: 0, or the inner steps (1 to ``every``) that each outer
+            step's reduction runs beside, on a thread, before its mean is
+            taken (see the module's docstring). Between outer steps each
+            rank's weights are then its own; ``synchronize()`` takes the
+            pending mean and one more outer step, and gives every rank the
+            same bits.
         non_finite: a NaN or Inf in any rank's pseudo-gradient:
             ``"propagate"`` makes its bucket's mean NaN on every rank, applied
             as it is (the weights and the outer state of the bucket NaN alike,
@@ -210,7 +219,7 @@ class OuterLoop(EngineOwner):
                  density: float = 0.02, lr: float = OuterSettings.lr, momentum: float = OuterSettings.momentum,
                  nesterov: bool = OuterSettings.nesterov, selector: str = "mstopk", values: Optional[str] = None,
                  indices: Optional[str] = None, error_feedback: bool = True, non_finite: str = "propagate",
-                 bucket_cap_mb: float = 25, dense: Sequence[Any] = (), overlap: bool = False,
+                 bucket_cap_mb: float = 25, dense: Sequence[Any] = (), overlap: int = 0,
                  topology: Optional[Topology] = None, process_group: Any = None, transport: Optional[str] = None,
                  **options: Any):
         comm = topology.world if topology is not None else job_comm(process_group, transport)
@@ -220,8 +229,10 @@ class OuterLoop(EngineOwner):
         given, problem = named_tensors(named_parameters)
         named = [(name, p) for name, p in given if p.requires_grad]
         problem = problem or outer_problem(every, lr, momentum, nesterov) or reduction.problem()
-        if not isinstance(overlap, bool):
-            problem = problem or f"overlap must be True or False, got {overlap!r}"
+        steps = not isinstance(overlap, bool) and isinstance(overlap, numbers.Integral)
+        if problem is None and not (steps and (overlap == 0 or 1 <= overlap <= every)):
+            problem = (f"overlap must be 0 or the inner steps in [1, every={every}] that the outer reduction "
+                       f"runs beside, got {overlap!r}")
         problem = problem or buckets.settings_problem(named, tuple(dense), bucket_cap_mb, 1)
         raise_if_any(comm, problem)
         dense_names = [d if isinstance(d, str) else f"tensor{tuple(d.shape)}" for d in dense]
@@ -245,7 +256,8 @@ class OuterLoop(EngineOwner):
                 self.buckets.append(_OuterBucket(entries, reducer, self.settings, overlap))
         self.inner_steps = 0  # calls of step() since the last outer step
         self.outer_steps = 0
-        self.overlap = overlap
+        self.overlap = int(overlap)
+        self._unmerged = False  # the start took a mean that the weights have not
         #: The allreducers' ledgers (``Allreducer.last``: bytes, times) of the
         #: last outer step whose reductions finished, one a bucket.
         self.ledgers: List[Dict[str, float]] = []
@@ -259,14 +271,18 @@ class OuterLoop(EngineOwner):
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> bool:
-        """Count an inner step; on every ``every``-th, take the outer step
-        (``synchronize``, or under overlap the late one). True where it did.
-        Call it after the inner optimizer's ``step()``, as often on every rank."""
+        """Count an inner step; under overlap, on the ``overlap``-th since an
+        outer step take its mean; on every ``every``-th take the outer step
+        (``synchronize``, or under overlap hand it to the thread). True where
+        it took one. Call it after the inner optimizer's ``step()``, as often
+        on every rank."""
         self.inner_steps += 1
+        if self.inner_steps == self.overlap:
+            self._merge()
         if self.inner_steps < self.every:
             return False
         if self.overlap:
-            self._step_late()
+            self._hand_over()
         else:
             self.synchronize()
         return True
@@ -284,8 +300,8 @@ class OuterLoop(EngineOwner):
                 rank (a density past ``max_density``). The outer step is then
                 skipped: every rank's weights go back to the start, residuals
                 as they were."""
+        self._merge()
         with torch.no_grad():
-            self._finish()
             for bucket in self.buckets:
                 bucket.pseudo_gradient()
             produced = self._streams.produced()
@@ -308,16 +324,16 @@ class OuterLoop(EngineOwner):
         self.inner_steps = 0
         self.outer_steps += 1
 
-    def _step_late(self) -> None:
-        """Under overlap: the previous outer step's mean onto the start, this
-        rank's weights the start plus its progress of the period, and that
-        progress handed to the thread's reduction."""
+    def _hand_over(self) -> None:
+        """Under overlap, at an outer step: this rank's progress since the
+        anchor to the thread's reduction; the weights stay its own, and the
+        anchor becomes them."""
         with torch.no_grad():
-            self._finish()
             for bucket in self.buckets:
-                bucket.pseudo_gradient()  # anchor - weights, for the thread to reduce
-                torch.sub(bucket.outer.start, bucket.flat, out=bucket.anchor)
-                bucket.scatter(bucket.anchor)
+                bucket.gather()
+                progress = torch.sub(bucket.anchor, bucket.flat)  # the pseudo-gradient
+                bucket.anchor.copy_(bucket.flat)
+                bucket.flat.copy_(progress)
             self._in_flight = _Reduction(self._streams.produced())
             self._thread.put(self._in_flight)
         self.inner_steps = 0
@@ -352,11 +368,23 @@ class OuterLoop(EngineOwner):
         self.ledgers = job.ledgers
         for bucket in self.buckets:
             bucket.outer.step(bucket.flat)
+        self._unmerged = True
+
+    def _merge(self) -> None:
+        """Under overlap: the start stepped with the mean in flight, and each
+        rank's weights the start plus its own progress since the outer step."""
+        with torch.no_grad():
+            self._finish()
+            if self._unmerged:
+                for bucket in self.buckets:
+                    bucket.merge()
+                self._unmerged = False
 
     def _restart(self) -> None:
         for bucket in self.buckets:
             bucket.restart()
         self.inner_steps = 0
+        self._unmerged = False
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -369,9 +397,10 @@ class OuterLoop(EngineOwner):
         ``DistributedOptimizer``'s) and ``local["rank{r}"]``, copies of its
         weights (its own between two outer steps), which ``load_state_dict``
         gives back to the parameters. Under overlap, ``anchors["rank{r}"]``
-        too, the weights its period began from; the reduction in flight is
-        waited for and its outer step taken first (on the start alone, where
-        the next outer step would take it: the same bits).
+        too, what its progress is counted from, and ``unmerged``: whether the
+        start took a mean the weights have yet to take. The reduction in
+        flight is waited for and its mean taken on the start first (the
+        weights take it at the step they would have: the same bits).
 
         Local. Each rank saves and loads its own: ``torch.save`` to a file a
         rank, or ``torch.distributed.checkpoint`` (``sct.save_checkpoint``) of
@@ -380,7 +409,8 @@ class OuterLoop(EngineOwner):
         with torch.no_grad():
             self._finish()
             local = tuple(torch.cat([p.detach().reshape(-1) for p in bucket.params]) for bucket in self.buckets)
-        anchors = {"anchors": {rank_key(self._comm.rank): tuple(b.anchor.clone() for b in self.buckets)}}
+        anchors = {"anchors": {rank_key(self._comm.rank): tuple(b.anchor.clone() for b in self.buckets)},
+                   "unmerged": self._unmerged}
         return {
             "format": OUTER_STATE_FORMAT,
             "world_size": self._comm.size,
@@ -433,10 +463,13 @@ class OuterLoop(EngineOwner):
         if problem is None:
             outer, local, problem = self._outer_state(state)
         if problem is None and self.overlap and "anchors" in state:
-            anchors, problem = self._own_flats(state, "anchors", "anchors (the weights its period began from)")
+            anchors, problem = self._own_flats(state, "anchors", "anchors (what its progress is counted from)")
+            if problem is None and not isinstance(state.get("unmerged"), bool):
+                problem = f"the outer loop's state's unmerged ({state.get('unmerged')!r}) must be True or False"
+        unmerged = problem is None and anchors is not None and state["unmerged"]
         digest = None
         if problem is None:  # what every rank must hold alike after the load
-            sha = hashlib.sha256(repr((state["inner_steps"], float(state["density"]))).encode())
+            sha = hashlib.sha256(repr((state["inner_steps"], float(state["density"]), unmerged)).encode())
             for tensors in outer:
                 for t in tensors:
                     sha.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -458,6 +491,7 @@ class OuterLoop(EngineOwner):
                 bucket.scatter(local[i])
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state.get("outer_steps", 0))
         self.density = float(state["density"])
+        self._unmerged = unmerged
 
     def _outer_state(self, state: Dict[str, Any]) -> Tuple[List, Any, Optional[str]]:
         """The saved (start, velocity) of each bucket and this rank's local
