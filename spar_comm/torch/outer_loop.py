@@ -434,9 +434,9 @@ class OuterLoop(EngineOwner):
         residuals, the counts and the density, and the parameters (this
         rank's weights as saved). A resume goes on to the same bits as a run
         that never stopped (with the inner optimizer's state loaded too).
-        Under overlap the reduction in flight is waited for and its outer
-        step taken first, whether the state is taken or refused; a state
-        saved without overlap began its period at the start, and one saved
+        Under overlap the reduction in flight is waited for and its mean
+        taken on the start first, whether the state is taken or refused. A
+        state saved without overlap counts progress from the start; one saved
         with it loads without too, each rank's progress since the start then
         reduced at the next outer step.
 
@@ -447,7 +447,7 @@ class OuterLoop(EngineOwner):
                 buckets, another rank's residuals, or outer states that differ
                 between ranks. Collective."""
         with torch.no_grad():
-            self._finish()  # before any collective of this thread's: the reduction in flight uses the same comms
+            self._finish()  # the thread's reduction writes the residuals a load replaces
         problem = format_problem(state, OUTER_STATE_FORMAT, self._comm.size, "the outer loop's state",
                                  "spar_comm.torch.OuterLoop.state_dict()", OUTER_OTHER_WORLD)
         residuals: List = []
