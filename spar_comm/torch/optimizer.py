@@ -38,7 +38,7 @@ import torch
 from mpi4py import MPI
 
 from .. import kernels, waiting
-from ..collectives import AUTO, Allreducer
+from ..collectives import Allreducer
 from ..consensus import raise_if_any, require_same
 from ..errors import ConfigError
 from ..topology import Topology
@@ -363,6 +363,7 @@ class _DistributedOptimizer(EngineOwner):
             "settings": {**self.reduction.to_dict(), **self.plan.to_dict()},
             "buckets": [b.signature() for b in self.buckets],
             "algorithms": [b.reducer.name for b in self.buckets],
+            "values": [b.reducer.settings.values for b in self.buckets],
             "stateful_parameters": len(state["state"]),  # the wrapped optimizer's, to check a load against
             "residuals": {rank_key(self._comm.rank): mine},
         }
@@ -403,8 +404,9 @@ class _DistributedOptimizer(EngineOwner):
         saved = state_dict.get("spar_comm") if isinstance(state_dict, dict) else None
         mine, problem = optimizer_residuals(saved, self._comm.rank, self._comm.size,
                                             [b.signature() for b in self.buckets])
-        if problem is None and self.reduction.algorithm == AUTO:
-            problem = choice_problem(saved.get("algorithms"), [b.reducer.name for b in self.buckets])
+        if problem is None:
+            problem = choice_problem(saved, [b.reducer for b in self.buckets], self.reduction.algorithm,
+                                     self.reduction.allreducer.values)
         if problem is None:
             problem = stateful_problem(saved, state_dict.get("state"))
         raise_if_any(self._comm, problem)

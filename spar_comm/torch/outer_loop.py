@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..collectives import AUTO, Allreducer
+from ..collectives import Allreducer
 from ..consensus import raise_if_any, require_same
 from ..errors import SparCommError
 from ..outer import OuterSettings, OuterStep
@@ -152,11 +152,12 @@ class _OuterBucket(buckets.FlatBucket):
 
 
 class _Reduction:
-    """One outer step's reductions on the loop's thread: done when set, with
-    the CUDA event they finished on and the errors raised on every rank."""
+    """One outer step's reductions on the loop's thread, at the density of
+    the step that handed them over: done when set, with the CUDA event they
+    finished on and the errors raised on every rank."""
 
-    def __init__(self, produced: Any):
-        self.produced, self.finished, self.errors = produced, None, []
+    def __init__(self, produced: Any, density: float):
+        self.produced, self.density, self.finished, self.errors = produced, density, None, []
         self.ledgers: List[Dict[str, float]] = []
         self.done = threading.Event()
 
@@ -334,7 +335,7 @@ class OuterLoop(EngineOwner):
                 progress = torch.sub(bucket.anchor, bucket.flat)  # the pseudo-gradient
                 bucket.anchor.copy_(bucket.flat)
                 bucket.flat.copy_(progress)
-            self._in_flight = _Reduction(self._streams.produced())
+            self._in_flight = _Reduction(self._streams.produced(), self._engine.density)
             self._thread.put(self._in_flight)
         self.inner_steps = 0
         self.outer_steps += 1
@@ -344,6 +345,7 @@ class OuterLoop(EngineOwner):
         try:
             with self._engine.job("the outer loop's reduction"):
                 self._engine.begin_step([bucket.reducer for bucket in self.buckets])
+                self._engine.step_density = job.density  # not one set since the hand-over
                 with self._streams.communicating([] if job.produced is None else [job.produced]):
                     for bucket in self.buckets:
                         self._engine.reduce(bucket.reducer, bucket.flat, bucket.reducer.buffer)
@@ -364,6 +366,7 @@ class OuterLoop(EngineOwner):
         self._streams.consume(job.finished)
         if job.errors:
             self._restart()
+            self.outer_steps -= 1  # a refused outer step is not one
             raise job.errors[0]
         self.ledgers = job.ledgers
         for bucket in self.buckets:
@@ -406,8 +409,12 @@ class OuterLoop(EngineOwner):
         rank, or ``torch.distributed.checkpoint`` (``sct.save_checkpoint``) of
         every rank's state, which keeps each rank's keys apart. Save the
         inner optimizer's state beside it."""
+        job = self._in_flight
+        if job is not None:  # a refusal stays for the step that takes the mean, which raises it on every rank
+            job.done.wait()
         with torch.no_grad():
-            self._finish()
+            if job is not None and not job.errors:
+                self._finish()
             local = tuple(torch.cat([p.detach().reshape(-1) for p in bucket.params]) for bucket in self.buckets)
         anchors = {"anchors": {rank_key(self._comm.rank): tuple(b.anchor.clone() for b in self.buckets)},
                    "unmerged": self._unmerged}
@@ -417,6 +424,7 @@ class OuterLoop(EngineOwner):
             "settings": {**self.reduction.to_dict(), **self.plan},
             "buckets": [bucket.signature() for bucket in self.buckets],
             "algorithms": [bucket.reducer.name for bucket in self.buckets],
+            "values": [bucket.reducer.settings.values for bucket in self.buckets],
             "density": self.density,
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
@@ -455,8 +463,9 @@ class OuterLoop(EngineOwner):
             residuals, problem = bucket_residuals(state, self._comm.rank, self._comm.size,
                                                   [bucket.signature() for bucket in self.buckets],
                                                   "the outer loop's state")
-        if problem is None and self.reduction.algorithm == AUTO:
-            problem = choice_problem(state.get("algorithms"), [bucket.reducer.name for bucket in self.buckets])
+        if problem is None:
+            problem = choice_problem(state, [bucket.reducer for bucket in self.buckets], self.reduction.algorithm,
+                                     self.reduction.allreducer.values)
         outer: List[Tuple[torch.Tensor, torch.Tensor]] = []
         local: Any = ()
         anchors: Any = None

@@ -181,19 +181,25 @@ def stateful_problem(saved: Dict[str, Any], state: Any) -> Optional[str]:
             "(optimizer.state_dict())")
 
 
-def choice_problem(saved: Any, mine: List[str]) -> Optional[str]:
-    """Under ``algorithm="auto"``: other allreducers than the saved job's
-    cannot take its residuals as they are (a state saved before the
-    algorithms were kept is taken as before)."""
-    if saved is None:
-        return None
-    if not isinstance(saved, list) or len(saved) != len(mine) or not all(isinstance(a, str) for a in saved):
-        return f"the state_dict's algorithms are not {len(mine)} names, one a bucket"
-    if saved == mine:
-        return None
-    return (f"algorithm='auto' chose {mine} for the buckets here and {saved} in the saved job (it prices the "
-            "link between nodes as it times it at the start): give both jobs the same figures with "
-            "SPAR_COMM_CALIBRATION, or name the algorithm the saved job chose")
+def choice_problem(state: Any, reducers: List[Any], algorithm: str, values: Any) -> Optional[str]:
+    """Under ``algorithm="auto"`` or ``values="auto"``: other allreducers or
+    codecs than the saved job's cannot take its residuals as they are (a
+    dense bucket keeps one through a lossy codec alone), nor go on to the
+    same bits. A state saved before the choices were kept is taken as before."""
+    chosen = (("algorithm", "algorithms", [r.name for r in reducers], algorithm),
+              ("values", "values", [r.settings.values for r in reducers], values))
+    for setting, key, mine, given in chosen:
+        saved = state.get(key) if given == "auto" else None
+        if saved is None:
+            continue
+        if not isinstance(saved, list) or len(saved) != len(mine) or \
+                not all(a is None or isinstance(a, str) for a in saved):
+            return f"the state_dict's {key} are not {len(mine)} entries, one a bucket"
+        if saved != mine:
+            return (f"{setting}='auto' chose {mine} for the buckets here and {saved} in the saved job (it prices "
+                    "the link between nodes as it times it at the start): give both jobs the same figures with "
+                    f"SPAR_COMM_CALIBRATION, or name the {setting} the saved job chose")
+    return None
 
 
 def hsdp_residuals(state: Any, rank: int, world_size: int, mesh: Optional[Tuple[int, int]]
