@@ -38,7 +38,6 @@ import torch
 
 from ..collectives import Allreducer
 from ..consensus import raise_if_any, require_same
-from ..errors import SparCommError
 from ..outer import OuterSettings, OuterStep
 from ..topology import Topology
 from . import buckets
@@ -305,25 +304,11 @@ class OuterLoop(EngineOwner):
         with torch.no_grad():
             for bucket in self.buckets:
                 bucket.pseudo_gradient()
-            produced = self._streams.produced()
-            self._engine.begin_step([bucket.reducer for bucket in self.buckets])
-            try:
-                with self._streams.communicating([] if produced is None else [produced]):
-                    for bucket in self.buckets:
-                        self._engine.reduce(bucket.reducer, bucket.flat, bucket.reducer.buffer)
-                    finished = self._streams.finished()
-            except SparCommError:  # raised on every rank alike
-                self._engine.end_step()  # the residuals as the step found them, where it overflowed
-                self._restart()
-                raise
-            self._streams.consume(finished)
-            self._engine.end_step()
-            self.ledgers = [dict(bucket.reducer.last) for bucket in self.buckets]
-            for bucket in self.buckets:
-                bucket.outer.step(bucket.flat)  # the reduced pseudo-gradient
-                bucket.restart()
-        self.inner_steps = 0
-        self.outer_steps += 1
+            self._in_flight = _Reduction(self._streams.produced(), self._engine.density)
+            self._reduce(self._in_flight)  # here, on the caller's thread
+            self.outer_steps += 1
+            self._finish()  # the mean onto the start; a refusal raised, every rank back at the start
+            self._restart()  # every rank at the new start
 
     def _hand_over(self) -> None:
         """Under overlap, at an outer step: this rank's progress since the
@@ -341,7 +326,9 @@ class OuterLoop(EngineOwner):
         self.outer_steps += 1
 
     def _reduce(self, job: _Reduction) -> None:
-        """The thread's work: every bucket's pseudo-gradient reduced in place, in bucket order."""
+        """One outer step's reductions, every bucket's pseudo-gradient in place
+        in bucket order: on the loop's thread under overlap, on the caller's
+        in ``synchronize()``. An error that is not every rank's ends the job."""
         try:
             with self._engine.job("the outer loop's reduction"):
                 self._engine.begin_step([bucket.reducer for bucket in self.buckets])
@@ -356,9 +343,9 @@ class OuterLoop(EngineOwner):
             job.done.set()
 
     def _finish(self) -> None:
-        """Under overlap, wait for the reduction in flight and step the start
-        with its mean; where it raised (on every rank alike), every rank goes
-        back to the start and the error is raised here."""
+        """Wait for the reduction in flight, if any, and step the start with
+        its mean; where it raised (on every rank alike), every rank goes back
+        to the start and the error is raised here."""
         job, self._in_flight = self._in_flight, None
         if job is None:
             return
